@@ -1,0 +1,108 @@
+"""Plain data passed between the store and the extension: scopes, records, snapshots."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import enum
+import math
+import typing as t
+
+
+class State(str, enum.Enum):
+    """Where a claimed operation stands.
+
+    ``in_progress`` is the only state a claim token can write to; every other state is final
+    until the record expires (or an operator or reconciler intervenes).
+    """
+
+    IN_PROGRESS = "in_progress"
+    #: The view ran and its response snapshot is stored: retries replay it.
+    COMPLETED = "completed"
+    #: A side effect may have happened but the outcome is not known: retries must not re-run it.
+    UNKNOWN = "unknown"
+    #: The view ran but its response could not be stored (streamed or too large). The key stays
+    #: taken so that a retry can never execute the operation a second time.
+    UNSTORED = "unstored"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """The namespace of one idempotency key: a key means something only inside it."""
+
+    tenant: str
+    endpoint: str
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredResponse:
+    """The part of a response that is replayed to retries."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One row of ``idempotency_keys`` as read at ``now`` (the database clock)."""
+
+    scope: Scope
+    fingerprint: bytes
+    state: State
+    claim_token: str | None
+    lease_expires_at: dt.datetime | None
+    response: StoredResponse | None
+    created_at: dt.datetime
+    completed_at: dt.datetime | None
+    expires_at: dt.datetime
+    now: dt.datetime
+
+    @property
+    def lease_expired(self) -> bool:
+        """True when an in-progress owner has stopped renewing its lease (crashed or hung)."""
+        return (
+            self.state is State.IN_PROGRESS
+            and self.lease_expires_at is not None
+            and self.lease_expires_at <= self.now
+        )
+
+    @property
+    def lease_remaining(self) -> float:
+        """Seconds until the lease expires (0 when it has)."""
+        if self.lease_expires_at is None:
+            return 0.0
+        return max(0.0, (self.lease_expires_at - self.now).total_seconds())
+
+    def retry_after(self) -> int:
+        """Whole seconds a client should wait before retrying an in-flight key (at least 1)."""
+        return max(1, math.ceil(self.lease_remaining))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimResult:
+    """What a claim found: a fresh record owned by the caller, or somebody else's record."""
+
+    record: Record
+    claimed: bool
+
+    @property
+    def token(self) -> str:
+        """The claim token that fences every later write of the owner."""
+        if not self.claimed or self.record.claim_token is None:
+            raise ValueError("only a successful claim carries a token")
+        return self.record.claim_token
+
+
+@dataclasses.dataclass(frozen=True)
+class MaintenanceReport:
+    """What one maintenance run did (or, on a dry run, would do)."""
+
+    created: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    purged: int = 0
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, t.Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,55 @@
+"""The ``idempotency_keys`` table as SQLAlchemy Core sees it.
+
+The migration in ``migrations/versions`` creates it; this module only describes it for queries
+(and for the test that compares the migrated database with it). On PostgreSQL the table is
+``PARTITION BY RANGE (created_at)``, which is why the primary key has to include ``created_at``
+and therefore cannot stop a second claim of the same key on its own: the real guard is the
+advisory lock taken by the claim function (see :mod:`flask_idem.store.postgresql`).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+TABLE_NAME = "idempotency_keys"
+DEFAULT_PARTITION = f"{TABLE_NAME}_default"
+#: The extension's own Alembic version table, so that it never collides with the application's.
+VERSION_TABLE = "flask_idem_alembic_version"
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+_timestamp = sa.DateTime(timezone=True)
+_json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+idempotency_keys = sa.Table(
+    TABLE_NAME,
+    metadata,
+    sa.Column("tenant", sa.String(255), nullable=False),
+    sa.Column("endpoint", sa.String(255), nullable=False),
+    sa.Column("key", sa.String(255), nullable=False),
+    sa.Column("fingerprint", sa.LargeBinary(32), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("claim_token", sa.String(32), nullable=True),
+    sa.Column("lease_expires_at", _timestamp, nullable=True),
+    sa.Column("response_status", sa.Integer, nullable=True),
+    sa.Column("response_headers", _json, nullable=True),
+    sa.Column("response_body", sa.LargeBinary, nullable=True),
+    sa.Column("created_at", _timestamp, nullable=False),
+    sa.Column("completed_at", _timestamp, nullable=True),
+    sa.Column("expires_at", _timestamp, nullable=False),
+    # Per-partition uniqueness only (PostgreSQL demands the partition key in it): a safety net,
+    # not the guard against a second claim.
+    sa.PrimaryKeyConstraint("tenant", "endpoint", "key", "created_at"),
+    sa.CheckConstraint(
+        "state IN ('in_progress', 'completed', 'unknown', 'unstored')", name="state"
+    ),
+    sa.Index(None, "expires_at"),
+    postgresql_partition_by="RANGE (created_at)",
+)

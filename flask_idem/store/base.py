@@ -1,0 +1,84 @@
+"""The storage interface: atomic primitives over one (tenant, endpoint, key) scope each.
+
+The state machine that decides what a request gets (run, replay, 409, 422) lives above this
+interface, in the extension. A store only offers primitives that are each atomic on their own,
+so that the decisions above never race. Every write after a claim carries the claim's token:
+once a lease has been taken over, the stale owner's writes match nothing (fencing).
+"""
+
+from __future__ import annotations
+
+import abc
+import typing as t
+
+import sqlalchemy as sa
+
+from ..record import ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
+
+
+class Store(abc.ABC):
+    """Atomic idempotency primitives; implementations raise only ``StoreUnavailable``."""
+
+    #: SQLAlchemy dialect name this store speaks ("postgresql", "sqlite").
+    dialect: t.ClassVar[str]
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+
+    @abc.abstractmethod
+    def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
+        """Take the key for the caller, or return the live record that already holds it.
+
+        :param ttl: seconds the record (and so the key) stays live.
+        :param lease: seconds before an owner that stopped renewing counts as gone.
+        """
+
+    @abc.abstractmethod
+    def complete(
+        self,
+        scope: Scope,
+        token: str,
+        response: StoredResponse | None,
+        *,
+        connection: sa.Connection | None = None,
+    ) -> bool:
+        """Store the response snapshot; ``None`` marks the key used but not replayable.
+
+        :param connection: run inside the caller's open transaction, so that the business
+            writes and the stored response commit together.
+        :returns: False when the token no longer owns the record (lease taken over).
+        """
+
+    @abc.abstractmethod
+    def release(self, scope: Scope, token: str) -> bool:
+        """Forget an in-progress claim so that a retry executes afresh."""
+
+    @abc.abstractmethod
+    def mark_unknown(self, scope: Scope, token: str) -> bool:
+        """Record that a side effect may have happened, so a retry must never re-execute."""
+
+    @abc.abstractmethod
+    def renew(self, scope: Scope, token: str, *, lease: float) -> bool:
+        """Extend the owner's lease; False when the lease was lost."""
+
+    @abc.abstractmethod
+    def take_over(self, scope: Scope, token: str, *, lease: float) -> ClaimResult | None:
+        """Take an expired lease from the owner holding ``token``; exactly one caller wins.
+
+        :returns: the new claim, or None when the lease is live, gone or already taken over.
+        """
+
+    @abc.abstractmethod
+    def get(self, scope: Scope) -> Record | None:
+        """Return the live (unexpired) record of the scope, if any."""
+
+    @abc.abstractmethod
+    def begin(self) -> sa.Connection:
+        """Open a connection in a transaction for business writes committed with ``complete``."""
+
+    @abc.abstractmethod
+    def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
+        """Prepare storage ahead and remove what has expired.
+
+        :param ahead: partitions to keep ready after the current one (PostgreSQL).
+        """

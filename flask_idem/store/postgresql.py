@@ -1,0 +1,114 @@
+"""PostgreSQL store: a partition-safe atomic claim in one round trip.
+
+Why not ``INSERT ... ON CONFLICT``
+    ``idempotency_keys`` is ``PARTITION BY RANGE (created_at)`` so that expired days can be
+    dropped instead of deleted. PostgreSQL only accepts unique indexes on a partitioned table
+    that contain the partition key, so the best it offers is
+    ``UNIQUE (tenant, endpoint, key, created_at)``: two claims of one key made a millisecond
+    apart differ in ``created_at`` and both insert, and a key claimed yesterday lives in another
+    partition than a retry today. No constraint can see across partitions.
+
+The guard
+    The migration installs ``idempotency_claim(...)``, which, in one statement:
+
+    1. takes ``pg_advisory_xact_lock(hashtext('flask_idem'), hashtext(tenant, endpoint, key))``:
+       every claim of one scope queues on this lock, whatever partition its row is in;
+    2. reads the clock *after* the lock (``clock_timestamp()``), so a claim that waited cannot
+       date its row before the row of the claim it waited for;
+    3. looks up the live record of the scope in every partition (``expires_at > now``): a live
+       record blocks the claim wherever it lives, an expired one never does;
+    4. inserts the new record only if none was found, and returns either row.
+
+    The lock is released at commit, after the insert is visible, so the next waiter's lookup
+    sees it: two claims of one scope can never both insert. A hash collision between two scopes
+    only makes them wait for each other; it cannot merge them, because the lookup compares the
+    real columns. The per-partition primary key remains as a safety net.
+
+Round trips
+    Primitives run on an autocommit connection: the claim (also when it finds an existing
+    record, so a replay costs one statement in all), ``complete``, ``release``, ``renew`` and
+    ``mark_unknown`` are each one statement with no ``BEGIN``/``COMMIT`` of their own.
+    ``complete`` can instead join the caller's business transaction (no extra commit).
+
+Partitions
+    ``idempotency_create_partitions(ahead)`` creates the current and ``ahead`` next partitions
+    (daily by default; the migration fixes the granularity), moving any row that fell into the
+    DEFAULT partition meanwhile. ``idempotency_drop_expired_partitions()`` drops a partition only
+    when it no longer receives claims and every row in it is past ``expires_at``, checked under
+    an exclusive lock on that partition.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+from ..record import ClaimResult, MaintenanceReport, Scope
+from ..schema import DEFAULT_PARTITION
+from ..schema import idempotency_keys as table
+from .sql import RECORD_COLUMNS, SQLStore, new_token, record_from_row, translate_errors
+
+_CLAIM = sa.text(
+    "SELECT * FROM idempotency_claim(:tenant, :endpoint, :key, :fingerprint, :token, :ttl, :lease)"
+).columns(
+    sa.column("claimed", sa.Boolean),
+    *(sa.column(name, table.c[name].type) for name in RECORD_COLUMNS),
+    sa.column("db_now", sa.DateTime(timezone=True)),
+)
+_CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
+_DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
+_COUNT_EXPIRED_DEFAULT = sa.text(
+    f"SELECT count(*) FROM {DEFAULT_PARTITION} WHERE expires_at <= now()"  # noqa: S608
+)
+_PURGE_DEFAULT = sa.text(f"DELETE FROM {DEFAULT_PARTITION} WHERE expires_at <= now()")  # noqa: S608
+
+
+class PostgresStore(SQLStore):
+    """Store on PostgreSQL >= 13 with the schema of ``alembic upgrade head``."""
+
+    dialect = "postgresql"
+
+    def __init__(self, engine: sa.Engine) -> None:
+        super().__init__(engine)
+        # One engine option set, shared pool: primitives skip BEGIN/COMMIT round trips.
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    def now(self) -> sa.ColumnElement[t.Any]:
+        return sa.func.now()
+
+    def now_plus(self, seconds: float) -> sa.ColumnElement[t.Any]:
+        return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, float(seconds))
+
+    def connect(self) -> t.ContextManager[sa.Connection]:
+        return self._autocommit.connect()
+
+    def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
+        statement = _CLAIM.bindparams(
+            sa.bindparam("fingerprint", type_=postgresql.BYTEA),
+            tenant=scope.tenant,
+            endpoint=scope.endpoint,
+            key=scope.key,
+            fingerprint=fingerprint,
+            token=new_token(),
+            ttl=float(ttl),
+            lease=float(lease),
+        )
+        row = self._execute(statement).first
+        assert row is not None, "idempotency_claim() always returns one row"
+        return ClaimResult(record_from_row(scope, row), claimed=bool(row.claimed))
+
+    def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
+        with translate_errors(), self.engine.begin() as conn:
+            # Partition DDL waits for running claims; never let it queue them up for long.
+            conn.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
+            created = conn.execute(_CREATE_PARTITIONS, {"ahead": ahead, "dry_run": dry_run})
+            created_names = tuple(created.scalars())
+            dropped = tuple(conn.execute(_DROP_PARTITIONS, {"dry_run": dry_run}).scalars())
+            # Rows land in DEFAULT only when upkeep fell behind; expire them row by row.
+            if dry_run:
+                purged = int(conn.execute(_COUNT_EXPIRED_DEFAULT).scalar_one())
+            else:
+                purged = conn.execute(_PURGE_DEFAULT).rowcount
+        return MaintenanceReport(created_names, dropped, purged, dry_run)

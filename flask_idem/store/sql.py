@@ -1,0 +1,224 @@
+"""SQLAlchemy Core implementation of the primitives both dialects share.
+
+Dialects differ in three places only: how a primitive gets its connection (autocommit on
+PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), how "now" is spelled (always the database clock,
+never the application's), and the claim and maintenance, which live in the dialect modules.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import datetime as dt
+import secrets
+import typing as t
+
+import sqlalchemy as sa
+
+from ..errors import StoreUnavailable
+from ..record import ClaimResult, Record, Scope, State, StoredResponse
+from ..schema import idempotency_keys as table
+from .base import Store
+
+#: Columns read back for a record, in a fixed order shared with the claim function.
+RECORD_COLUMNS: tuple[str, ...] = (
+    "fingerprint",
+    "state",
+    "claim_token",
+    "lease_expires_at",
+    "response_status",
+    "response_headers",
+    "response_body",
+    "created_at",
+    "completed_at",
+    "expires_at",
+)
+
+
+@contextlib.contextmanager
+def translate_errors() -> t.Iterator[None]:
+    """Re-raise every database failure as ``StoreUnavailable``: callers fail closed on it."""
+    try:
+        yield
+    except sa.exc.SQLAlchemyError as exc:
+        raise StoreUnavailable(f"idempotency store failed: {type(exc).__name__}") from exc
+
+
+def _aware(value: dt.datetime | None) -> dt.datetime | None:
+    # SQLite hands back naive datetimes; they are UTC because the store wrote them from UTC.
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=dt.timezone.utc)
+    return value
+
+
+def record_from_row(scope: Scope, row: t.Any) -> Record:
+    """Build a :class:`Record` from a row carrying ``RECORD_COLUMNS`` and ``db_now``."""
+    m = row._mapping
+    response = None
+    if m["response_status"] is not None and m["response_body"] is not None:
+        response = StoredResponse(
+            status=m["response_status"],
+            headers=tuple((str(k), str(v)) for k, v in (m["response_headers"] or ())),
+            body=bytes(m["response_body"]),
+        )
+    created_at = _aware(m["created_at"])
+    expires_at = _aware(m["expires_at"])
+    now = _aware(m["db_now"])
+    assert created_at is not None and expires_at is not None and now is not None
+    return Record(
+        scope=scope,
+        fingerprint=bytes(m["fingerprint"]),
+        state=State(m["state"]),
+        claim_token=m["claim_token"],
+        lease_expires_at=_aware(m["lease_expires_at"]),
+        response=response,
+        created_at=created_at,
+        completed_at=_aware(m["completed_at"]),
+        expires_at=expires_at,
+        now=now,
+    )
+
+
+class SQLStore(Store):
+    """Primitives shared by PostgreSQL and SQLite, written once in SQLAlchemy Core."""
+
+    @abc.abstractmethod
+    def now(self) -> sa.ColumnElement[t.Any]:
+        """The database clock as a SQL expression."""
+
+    @abc.abstractmethod
+    def now_plus(self, seconds: float) -> sa.ColumnElement[t.Any]:
+        """The database clock plus ``seconds``."""
+
+    @abc.abstractmethod
+    def connect(self) -> t.ContextManager[sa.Connection]:
+        """A connection for one primitive; it commits when the block exits."""
+
+    def _db_now(self) -> sa.ColumnElement[t.Any]:
+        return sa.type_coerce(self.now(), sa.DateTime(timezone=True)).label("db_now")
+
+    def _returning(self) -> list[sa.ColumnElement[t.Any]]:
+        return [table.c[name] for name in RECORD_COLUMNS] + [self._db_now()]
+
+    @staticmethod
+    def _owned(scope: Scope, token: str) -> sa.ColumnElement[bool]:
+        # Every write after the claim is fenced by the token and allowed only while in progress.
+        return sa.and_(
+            table.c.tenant == scope.tenant,
+            table.c.endpoint == scope.endpoint,
+            table.c.key == scope.key,
+            table.c.claim_token == token,
+            table.c.state == State.IN_PROGRESS.value,
+        )
+
+    def _execute(
+        self, statement: sa.Executable, connection: sa.Connection | None = None
+    ) -> Outcome:
+        with translate_errors():
+            if connection is not None:
+                return Outcome.of(connection.execute(statement))
+            with self.connect() as conn:
+                return Outcome.of(conn.execute(statement))
+
+    def complete(
+        self,
+        scope: Scope,
+        token: str,
+        response: StoredResponse | None,
+        *,
+        connection: sa.Connection | None = None,
+    ) -> bool:
+        values: dict[str, t.Any] = {"completed_at": self.now(), "lease_expires_at": None}
+        if response is None:
+            values["state"] = State.UNSTORED.value
+        else:
+            values.update(
+                state=State.COMPLETED.value,
+                response_status=response.status,
+                response_headers=[list(pair) for pair in response.headers],
+                response_body=response.body,
+            )
+        statement = table.update().where(self._owned(scope, token)).values(**values)
+        return self._execute(statement, connection).rowcount == 1
+
+    def release(self, scope: Scope, token: str) -> bool:
+        statement = table.delete().where(self._owned(scope, token))
+        return self._execute(statement).rowcount == 1
+
+    def mark_unknown(self, scope: Scope, token: str) -> bool:
+        statement = (
+            table.update()
+            .where(self._owned(scope, token))
+            .values(state=State.UNKNOWN.value, lease_expires_at=None)
+        )
+        return self._execute(statement).rowcount == 1
+
+    def renew(self, scope: Scope, token: str, *, lease: float) -> bool:
+        statement = (
+            table.update()
+            .where(self._owned(scope, token))
+            .values(lease_expires_at=self.now_plus(lease))
+        )
+        return self._execute(statement).rowcount == 1
+
+    def take_over(self, scope: Scope, token: str, *, lease: float) -> ClaimResult | None:
+        # Row locking makes this exactly-one-winner: a concurrent UPDATE re-checks the WHERE
+        # clause against the row the winner wrote, whose token no longer matches.
+        statement = (
+            table.update()
+            .where(
+                self._owned(scope, token),
+                table.c.lease_expires_at <= self.now(),
+                table.c.expires_at > self.now(),
+            )
+            .values(claim_token=new_token(), lease_expires_at=self.now_plus(lease))
+            .returning(*self._returning())
+        )
+        row = self._execute(statement).first
+        return None if row is None else ClaimResult(record_from_row(scope, row), claimed=True)
+
+    def get(self, scope: Scope) -> Record | None:
+        statement = (
+            sa.select(*self._returning())
+            .where(
+                table.c.tenant == scope.tenant,
+                table.c.endpoint == scope.endpoint,
+                table.c.key == scope.key,
+                table.c.expires_at > self.now(),
+            )
+            .order_by(table.c.created_at.desc())
+            .limit(1)
+        )
+        row = self._execute(statement).first
+        return None if row is None else record_from_row(scope, row)
+
+    def begin(self) -> sa.Connection:
+        with translate_errors():
+            connection = self.engine.connect()
+            try:
+                connection.begin()
+            except BaseException:
+                connection.close()
+                raise
+            return connection
+
+
+def new_token() -> str:
+    """A claim token: 128 random bits, so a stale owner can never guess the new one."""
+    return secrets.token_hex(16)
+
+
+class Outcome(t.NamedTuple):
+    """A statement's rows and row count, read before its connection goes back to the pool."""
+
+    rows: list[sa.Row[t.Any]]
+    rowcount: int
+
+    @classmethod
+    def of(cls, result: sa.CursorResult[t.Any]) -> Outcome:
+        rows = list(result.all()) if result.returns_rows else []
+        return cls(rows, result.rowcount)
+
+    @property
+    def first(self) -> sa.Row[t.Any] | None:
+        return self.rows[0] if self.rows else None

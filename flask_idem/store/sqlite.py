@@ -1,0 +1,108 @@
+"""SQLite store for development and tests: one plain table, claims under ``BEGIN IMMEDIATE``.
+
+SQLite has one writer at a time. Every primitive opens its transaction with ``BEGIN IMMEDIATE``,
+which takes the write lock before the lookup, so a claim's lookup and insert cannot interleave
+with another claim's, in this process or another one. Expired rows are purged by
+:meth:`SQLiteStore.maintain`; until then they never block a claim.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+import sqlalchemy as sa
+
+from ..record import ClaimResult, MaintenanceReport, Scope, State
+from ..schema import idempotency_keys as table
+from .sql import SQLStore, new_token, record_from_row, translate_errors
+
+# The database clock, in the text layout SQLAlchemy uses for DateTime on SQLite (so that string
+# comparison is time comparison): microseconds padded from SQLite's milliseconds.
+_CLOCK = "strftime('%Y-%m-%d %H:%M:%f', 'now'{modifier}) || '000'"
+
+BUSY_TIMEOUT_MS = 30_000
+
+
+def configure_engine(engine: sa.Engine) -> None:
+    """Make every transaction on ``engine`` a ``BEGIN IMMEDIATE`` one and wait on busy locks.
+
+    pysqlite's own transaction handling issues a deferred ``BEGIN`` only before DML, so a read
+    followed by a write could interleave with another writer. The standard SQLAlchemy recipe
+    switches it off and lets the engine's ``begin`` event take the write lock up front.
+    """
+    if sa.event.contains(engine, "begin", _begin_immediate):
+        return
+    sa.event.listen(engine, "connect", _on_connect)
+    sa.event.listen(engine, "begin", _begin_immediate)
+
+
+def _on_connect(dbapi_connection: t.Any, _record: t.Any) -> None:
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA journal_mode = WAL")
+    cursor.close()
+
+
+def _begin_immediate(connection: sa.Connection) -> None:
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class SQLiteStore(SQLStore):
+    """Store on an SQLite file (the embedded development default)."""
+
+    dialect = "sqlite"
+
+    def __init__(self, engine: sa.Engine) -> None:
+        super().__init__(engine)
+        configure_engine(engine)
+
+    def now(self) -> sa.ColumnElement[t.Any]:
+        return sa.literal_column(_CLOCK.format(modifier=""), sa.String)
+
+    def now_plus(self, seconds: float) -> sa.ColumnElement[t.Any]:
+        return sa.literal_column(_CLOCK.format(modifier=f", '{float(seconds):+f} seconds'"))
+
+    def connect(self) -> t.ContextManager[sa.Connection]:
+        return self.engine.begin()
+
+    def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
+        live = (
+            sa.select(*self._returning())
+            .where(
+                table.c.tenant == scope.tenant,
+                table.c.endpoint == scope.endpoint,
+                table.c.key == scope.key,
+                table.c.expires_at > self.now(),
+            )
+            .order_by(table.c.created_at.desc())
+            .limit(1)
+        )
+        insert = table.insert().values(
+            tenant=scope.tenant,
+            endpoint=scope.endpoint,
+            key=scope.key,
+            fingerprint=fingerprint,
+            state=State.IN_PROGRESS.value,
+            claim_token=new_token(),
+            lease_expires_at=self.now_plus(lease),
+            created_at=self.now(),
+            expires_at=self.now_plus(ttl),
+        )
+        with translate_errors(), self.connect() as conn:
+            row = conn.execute(live).first()
+            if row is not None:
+                return ClaimResult(record_from_row(scope, row), claimed=False)
+            row = conn.execute(insert.returning(*self._returning())).one()
+        return ClaimResult(record_from_row(scope, row), claimed=True)
+
+    def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
+        expired = table.c.expires_at <= self.now()
+        with translate_errors(), self.connect() as conn:
+            if dry_run:
+                count = conn.execute(
+                    sa.select(sa.func.count()).select_from(table).where(expired)
+                ).scalar_one()
+            else:
+                count = conn.execute(table.delete().where(expired)).rowcount
+        return MaintenanceReport(purged=int(count), dry_run=dry_run)

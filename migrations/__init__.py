@@ -1,0 +1,1 @@
+"""flask_idem's Alembic environment (installed as ``flask_idem.migrations``)."""

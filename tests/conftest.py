@@ -1,0 +1,146 @@
+"""Shared fixtures: real PostgreSQL (throwaway cluster or DATABASE_URL) and SQLite stores."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import typing as t
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from flask_idem import Scope
+from flask_idem.migrate import upgrade
+from flask_idem.store import SQLStore, create_store
+
+from . import pgcluster
+
+DIALECTS = ("postgresql", "sqlite")
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> t.Iterator[str]:
+    """A PostgreSQL server: ``DATABASE_URL`` when set, else a cluster started for this run."""
+    given = os.environ.get("DATABASE_URL")
+    if given:
+        yield given
+        return
+    if not pgcluster.have_server_binaries():
+        pytest.exit(pgcluster.NO_SERVER, returncode=3)
+    cluster = pgcluster.Cluster(pgcluster.PG_DIR / f"test-{os.getpid()}")
+    try:
+        cluster.start()
+        yield cluster.url
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def fresh_pg_database(pg_server_url: str) -> t.Iterator[t.Callable[[], str]]:
+    """A factory of empty databases on the test server, all dropped at the end."""
+    created: list[str] = []
+
+    def make() -> str:
+        url = pgcluster.create_database(pg_server_url)
+        created.append(url)
+        return url
+
+    yield make
+    for url in created:
+        pgcluster.drop_database(url)
+
+
+@pytest.fixture(scope="session")
+def pg_url(fresh_pg_database: t.Callable[[], str]) -> str:
+    """A migrated PostgreSQL database shared by the session (tables emptied per test)."""
+    url = fresh_pg_database()
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A migrated SQLite file shared by the session (tables emptied per test)."""
+    path: Path = tmp_path_factory.mktemp("sqlite") / "idem.sqlite3"
+    url = f"sqlite:///{path}"
+    upgrade(url)
+    return url
+
+
+def _empty(store: SQLStore) -> None:
+    with store.engine.begin() as conn:
+        if store.dialect == "postgresql":
+            conn.exec_driver_sql("TRUNCATE idempotency_keys")
+        else:
+            conn.exec_driver_sql("DELETE FROM idempotency_keys")
+
+
+@pytest.fixture(params=DIALECTS)
+def db_url(request: pytest.FixtureRequest) -> str:
+    """The URL of a migrated database, once for each dialect."""
+    return str(
+        request.getfixturevalue(f"{'pg' if request.param == 'postgresql' else 'sqlite'}_url")
+    )
+
+
+@pytest.fixture
+def store(db_url: str) -> t.Iterator[SQLStore]:
+    """An empty store on each dialect."""
+    store = create_store(db_url)
+    _empty(store)
+    yield store
+    _empty(store)
+    store.engine.dispose()
+
+
+@pytest.fixture
+def pg_store(pg_url: str) -> t.Iterator[SQLStore]:
+    """An empty PostgreSQL store."""
+    store = create_store(pg_url)
+    _empty(store)
+    yield store
+    _empty(store)
+    store.engine.dispose()
+
+
+@pytest.fixture
+def scope(request: pytest.FixtureRequest) -> Scope:
+    return Scope("tenant-a", "POST /v1/payments", f"key-{request.node.name}"[:255])
+
+
+def shift(store: SQLStore, scope: Scope, seconds: float, *columns: str) -> None:
+    """Move the scope's record ``seconds`` into the past (SQL, never sleep: the store reads
+    the database clock)."""
+    columns = columns or ("created_at", "expires_at", "lease_expires_at")
+    if store.dialect == "postgresql":
+        moved = {c: f"{c} - make_interval(secs => {float(seconds)})" for c in columns}
+    else:
+        moved = {
+            c: f"strftime('%Y-%m-%d %H:%M:%f', {c}, '{-float(seconds):+f} seconds') || '000'"
+            for c in columns
+        }
+    assignments = ", ".join(f"{c} = {expr}" for c, expr in moved.items())
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"UPDATE idempotency_keys SET {assignments} "  # noqa: S608
+                "WHERE tenant = :tenant AND endpoint = :endpoint AND key = :key"
+            ),
+            {"tenant": scope.tenant, "endpoint": scope.endpoint, "key": scope.key},
+        )
+
+
+@contextlib.contextmanager
+def count_statements(engine: sa.Engine) -> t.Iterator[list[str]]:
+    """Collect every SQL statement the engine sends while the block runs."""
+    seen: list[str] = []
+
+    def record(_conn: t.Any, _cursor: t.Any, statement: str, *_args: t.Any) -> None:
+        seen.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)

@@ -1,0 +1,230 @@
+"""Throwaway PostgreSQL clusters for the tests, the bench and ``make pg-start``.
+
+``python -m tests.pgcluster start [NAME]`` builds a cluster under ``.pg/NAME`` with the
+machine's ``initdb``/``pg_ctl`` on a free loopback port and prints its ``DATABASE_URL``;
+``stop [NAME]`` removes it; ``check`` says in one line how to get a server when there is none.
+When running as root (CI, containers) the server runs as the ``postgres`` user, because
+PostgreSQL refuses to run as root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import typing as t
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_DIR = ROOT / ".pg"
+SERVER_USER_CANDIDATES = ("postgres", "nobody")
+NO_SERVER = (
+    "No PostgreSQL: install the server binaries (initdb, pg_ctl; e.g. apt-get install "
+    "postgresql) or set DATABASE_URL=postgresql://user:pass@host/db"
+)
+
+
+def find_binary(name: str) -> str | None:
+    """``name`` on PATH, else in the newest ``/usr/lib/postgresql/*/bin``."""
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = glob.glob(f"/usr/lib/postgresql/*/bin/{name}")
+    candidates.sort(
+        key=lambda path: int(Path(path).parts[-3]) if Path(path).parts[-3].isdigit() else 0
+    )
+    return candidates[-1] if candidates else None
+
+
+def have_server_binaries() -> bool:
+    return find_binary("initdb") is not None and find_binary("pg_ctl") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _server_user() -> str | None:
+    """The account the server runs as: ourselves, unless we are root."""
+    if os.geteuid() != 0:
+        return None
+    for name in SERVER_USER_CANDIDATES:
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            return name
+    raise SystemExit("running as root and no 'postgres' or 'nobody' user to run PostgreSQL as")
+
+
+def _run_as_server_user(command: list[str], **kwargs: t.Any) -> subprocess.CompletedProcess[str]:
+    user = _server_user()
+    if user is not None:
+        command = ["runuser", "-u", user, "--", *command]
+    return subprocess.run(command, check=True, text=True, **kwargs)
+
+
+@dataclasses.dataclass
+class Cluster:
+    """One throwaway cluster: a data directory and a loopback port."""
+
+    directory: Path
+    port: int = 0
+
+    @property
+    def datadir(self) -> Path:
+        return self.directory / "data"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def _state_file(self) -> Path:
+        return self.directory / "cluster.json"
+
+    @classmethod
+    def load(cls, directory: Path) -> Cluster | None:
+        state = directory / "cluster.json"
+        if not state.exists():
+            return None
+        return cls(directory, json.loads(state.read_text())["port"])
+
+    def start(self, *, durable: bool = False) -> None:
+        initdb, pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
+        if initdb is None or pg_ctl is None:
+            raise SystemExit(NO_SERVER)
+        self.stop()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        user = _server_user()
+        for path in (PG_DIR, self.directory):
+            path.chmod(0o755)
+        if user is not None:
+            shutil.chown(self.directory, user)
+        _run_as_server_user(
+            [
+                initdb,
+                "-D",
+                str(self.datadir),
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+                "--locale=C",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        self.port = free_port()
+        options = [
+            "-c listen_addresses=127.0.0.1",
+            f"-c port={self.port}",
+            "-c unix_socket_directories=''",
+            "-c max_connections=300",
+            "-c shared_preload_libraries=pg_stat_statements",
+        ]
+        if not durable:
+            # Test data is thrown away: skip the disk flushes that only protect against crashes.
+            options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
+        _run_as_server_user(
+            [
+                pg_ctl,
+                "-D",
+                str(self.datadir),
+                "-l",
+                str(self.directory / "server.log"),
+                "-w",
+                "-t",
+                "60",
+                "-o",
+                " ".join(options),
+                "start",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        self._state_file.write_text(json.dumps({"port": self.port}))
+
+    def stop(self) -> None:
+        pg_ctl = find_binary("pg_ctl")
+        if pg_ctl and (self.datadir / "postmaster.pid").exists():
+            _run_as_server_user(
+                [pg_ctl, "-D", str(self.datadir), "-m", "immediate", "-w", "stop"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def create_database(server_url: str) -> str:
+    """Create a fresh, uniquely named database on ``server_url``; return its URL."""
+    import sqlalchemy as sa
+
+    from flask_idem.store import normalize_url
+
+    name = f"flask_idem_test_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(normalize_url(server_url), isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    finally:
+        engine.dispose()
+    return sa.make_url(server_url).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(url: str) -> None:
+    import sqlalchemy as sa
+
+    from flask_idem.store import normalize_url
+
+    parsed = normalize_url(url)
+    engine = sa.create_engine(parsed.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{parsed.database}" WITH (FORCE)')
+    finally:
+        engine.dispose()
+
+
+def main(argv: list[str]) -> int:
+    positional = [arg for arg in argv if not arg.startswith("--")]
+    command = positional[0] if positional else ""
+    name = positional[1] if len(positional) > 1 else "dev"
+    cluster_dir = PG_DIR / name
+    if command == "start":
+        cluster = Cluster(cluster_dir)
+        cluster.start(durable="--durable" in argv)
+        print(f"DATABASE_URL={cluster.url}")
+        return 0
+    if command == "stop":
+        Cluster(cluster_dir).stop()
+        return 0
+    if command == "url":
+        cluster = Cluster.load(cluster_dir)
+        if cluster is None:
+            print(f"no cluster under {cluster_dir}; run make pg-start", file=sys.stderr)
+            return 1
+        print(cluster.url)
+        return 0
+    if command == "check":
+        if os.environ.get("DATABASE_URL") or have_server_binaries():
+            return 0
+        print(NO_SERVER, file=sys.stderr)
+        return 1
+    print(
+        "usage: python -m tests.pgcluster start|stop|url|check [NAME] [--durable]", file=sys.stderr
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,132 @@
+"""The migration builds what schema.py describes, and goes back down, on both databases."""
+
+from __future__ import annotations
+
+import typing as t
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from flask_idem.migrate import downgrade, upgrade
+from flask_idem.schema import TABLE_NAME, VERSION_TABLE, metadata
+from flask_idem.store import create_engine
+
+FUNCTIONS = {
+    "idempotency_claim",
+    "idempotency_create_partitions",
+    "idempotency_drop_expired_partitions",
+}
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def empty_url(request: pytest.FixtureRequest, tmp_path: t.Any) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/migrations.sqlite3"
+    return str(request.getfixturevalue("fresh_pg_database")())
+
+
+def _functions(engine: sa.Engine) -> set[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT proname FROM pg_proc WHERE proname LIKE 'idempotency_%'")
+        )
+        return {row[0] for row in rows}
+
+
+def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool:
+    return type_ != "table" or name == TABLE_NAME
+
+
+def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:
+    engine = create_engine(empty_url)
+    try:
+        upgrade(empty_url)
+        inspector = sa.inspect(engine)
+        assert TABLE_NAME in inspector.get_table_names()
+        assert VERSION_TABLE in inspector.get_table_names()
+        assert "alembic_version" not in inspector.get_table_names(), "own version table only"
+        with engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn, opts={"include_object": _only_our_table, "compare_type": True}
+            )
+            assert compare_metadata(context, metadata) == []
+            assert conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).all() == [
+                ("0001",)
+            ]
+        if engine.dialect.name == "postgresql":
+            assert _functions(engine) == FUNCTIONS
+
+        downgrade(empty_url)
+        inspector = sa.inspect(engine)
+        assert TABLE_NAME not in inspector.get_table_names()
+        assert not any(name.startswith(TABLE_NAME) for name in inspector.get_table_names())
+        if engine.dialect.name == "postgresql":
+            assert _functions(engine) == set()
+
+        upgrade(empty_url)
+        assert TABLE_NAME in sa.inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+
+
+def test_runs_beside_an_application_history(fresh_pg_database: t.Callable[[], str]) -> None:
+    url = fresh_pg_database()
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
+            )
+            conn.execute(sa.text("INSERT INTO alembic_version VALUES ('app_0042')"))
+        upgrade(url)
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).all() == [
+                ("app_0042",)
+            ]
+    finally:
+        engine.dispose()
+
+
+def test_partition_granularity_is_configurable(
+    fresh_pg_database: t.Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = fresh_pg_database()
+    monkeypatch.setenv("IDEMPOTENCY_PARTITION_GRANULARITY", "week")
+    monkeypatch.setenv("IDEMPOTENCY_PARTITIONS_AHEAD", "2")
+    upgrade(url)
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            bounds = (
+                conn.execute(
+                    sa.text(
+                        "SELECT pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
+                        "JOIN pg_class c ON c.oid = i.inhrelid "
+                        "WHERE i.inhparent = 'idempotency_keys'::regclass AND c.relname <> "
+                        "'idempotency_keys_default' ORDER BY c.relname"
+                    )
+                )
+                .scalars()
+                .all()
+            )
+        assert len(bounds) == 4, bounds  # last week, this week, two ahead
+        assert all("00:00:00+00" in bound for bound in bounds)
+        with engine.connect() as conn:
+            widths = (
+                conn.execute(
+                    sa.text(
+                        "SELECT DISTINCT upper - lower FROM (SELECT "
+                        "substring(b FROM 'TO \\(''([^'']+)') ::timestamptz AS upper, "
+                        "substring(b FROM 'FROM \\(''([^'']+)') ::timestamptz AS lower FROM "
+                        "unnest(CAST(:bounds AS text[])) AS b) AS x"
+                    ),
+                    {"bounds": bounds},
+                )
+                .scalars()
+                .all()
+            )
+        assert [str(w) for w in widths] == ["7 days, 0:00:00"]
+    finally:
+        engine.dispose()

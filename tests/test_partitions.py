@@ -1,0 +1,157 @@
+"""PostgreSQL partitions: dedup across them, and upkeep that never loses a live record."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import sqlalchemy as sa
+
+from flask_idem import Scope, State, StoredResponse
+from flask_idem.store import SQLStore
+
+FP = hashlib.sha256(b"request").digest()
+RESPONSE = StoredResponse(201, (("Content-Type", "application/json"),), b"{}")
+
+
+@pytest.fixture(autouse=True)
+def _restore_partitions(pg_store: SQLStore) -> object:
+    """Give the next test the partitions a fresh migration has (yesterday to 7 days ahead)."""
+    yield
+    _sql(pg_store, "SELECT idempotency_create_partitions(7, false, 1)")
+
+
+def _sql(store: SQLStore, statement: str, **params: object) -> list[sa.Row[object]]:
+    with store.engine.begin() as conn:
+        result = conn.execute(sa.text(statement), params)
+        return list(result.all()) if result.returns_rows else []
+
+
+def _partition_of(store: SQLStore, scope: Scope) -> str:
+    rows = _sql(
+        store,
+        "SELECT tableoid::regclass::text FROM idempotency_keys WHERE key = :key",
+        key=scope.key,
+    )
+    assert len(rows) == 1
+    return str(rows[0][0])
+
+
+def _partitions(store: SQLStore) -> set[str]:
+    rows = _sql(
+        store,
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = 'idempotency_keys'::regclass",
+    )
+    return {str(row[0]) for row in rows}
+
+
+def _day(offset: int) -> str:
+    return f"to_char((now() AT TIME ZONE 'UTC')::date + {offset}, 'YYYYMMDD')"
+
+
+def _name(store: SQLStore, offset: int) -> str:
+    return "idempotency_keys_p" + str(_sql(store, f"SELECT {_day(offset)}")[0][0])
+
+
+def _move_to_day(store: SQLStore, scope: Scope, offset: int, hour: int = 12) -> None:
+    _sql(
+        store,
+        "UPDATE idempotency_keys SET created_at = "
+        f"(date_trunc('day', now() AT TIME ZONE 'UTC') + make_interval(days => {offset}, "
+        f"hours => {hour})) AT TIME ZONE 'UTC' WHERE key = :key",
+        key=scope.key,
+    )
+
+
+def test_table_is_declaratively_partitioned(pg_store: SQLStore) -> None:
+    strategy = _sql(
+        pg_store,
+        "SELECT partstrat FROM pg_partitioned_table WHERE partrelid = 'idempotency_keys'::regclass",
+    )
+    assert strategy == [("r",)]
+    partitions = _partitions(pg_store)
+    assert "idempotency_keys_default" in partitions
+    for offset in range(-1, 8):
+        assert _name(pg_store, offset) in partitions
+
+
+def test_claims_land_in_todays_partition_and_never_in_default(
+    pg_store: SQLStore, scope: Scope
+) -> None:
+    for n in range(20):
+        pg_store.claim(Scope("t", "e", f"k{n}"), FP, ttl=60, lease=30)
+    pg_store.claim(scope, FP, ttl=60, lease=30)
+    assert _partition_of(pg_store, scope) == _name(pg_store, 0)
+    assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys_default") == [(0,)]
+
+
+def test_live_record_in_yesterdays_partition_blocks_todays_claim(
+    pg_store: SQLStore, scope: Scope
+) -> None:
+    token = pg_store.claim(scope, FP, ttl=3 * 86400, lease=30).token
+    assert pg_store.complete(scope, token, RESPONSE)
+    _move_to_day(pg_store, scope, -1)
+    assert _partition_of(pg_store, scope) == _name(pg_store, -1)
+    again = pg_store.claim(scope, FP, ttl=3 * 86400, lease=30)
+    assert not again.claimed
+    assert again.record.state is State.COMPLETED and again.record.response == RESPONSE
+
+
+def test_expired_record_in_yesterdays_partition_does_not_block(
+    pg_store: SQLStore, scope: Scope
+) -> None:
+    pg_store.claim(scope, FP, ttl=60, lease=30)
+    _move_to_day(pg_store, scope, -1)
+    _sql(pg_store, "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'")
+    assert pg_store.claim(scope, FP, ttl=60, lease=30).claimed
+
+
+def test_maintain_creates_partitions_ahead(pg_store: SQLStore) -> None:
+    report = pg_store.maintain(ahead=10, dry_run=True)
+    assert report.created == (_name(pg_store, 8), _name(pg_store, 9), _name(pg_store, 10))
+    assert _name(pg_store, 10) not in _partitions(pg_store), "a dry run changes nothing"
+    report = pg_store.maintain(ahead=10)
+    assert report.created == (_name(pg_store, 8), _name(pg_store, 9), _name(pg_store, 10))
+    assert _name(pg_store, 10) in _partitions(pg_store)
+    assert pg_store.maintain(ahead=10).created == (), "maintenance is idempotent"
+
+
+def test_maintain_moves_rows_out_of_default(pg_store: SQLStore, scope: Scope) -> None:
+    pg_store.claim(scope, FP, ttl=60 * 86400, lease=30)
+    _move_to_day(pg_store, scope, 20)
+    assert _partition_of(pg_store, scope) == "idempotency_keys_default"
+    pg_store.maintain(ahead=20)
+    assert _partition_of(pg_store, scope) == _name(pg_store, 20)
+    assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys_default") == [(0,)]
+
+
+def test_maintain_drops_only_fully_expired_partitions(pg_store: SQLStore) -> None:
+    _sql(pg_store, "SELECT idempotency_create_partitions(0, false, 5)")
+    expired, live = Scope("t", "e", "expired"), Scope("t", "e", "live")
+    for s in (expired, live):
+        pg_store.claim(s, FP, ttl=30 * 86400, lease=30)
+    _move_to_day(pg_store, expired, -4)
+    _move_to_day(pg_store, live, -3)
+    _sql(
+        pg_store,
+        "UPDATE idempotency_keys SET expires_at = now() - interval '1 hour' WHERE key = 'expired'",
+    )
+    report = pg_store.maintain(ahead=7, dry_run=True)
+    assert _name(pg_store, -4) in report.dropped
+    assert _name(pg_store, -4) in _partitions(pg_store)
+    report = pg_store.maintain(ahead=7)
+    partitions = _partitions(pg_store)
+    assert _name(pg_store, -4) in report.dropped and _name(pg_store, -4) not in partitions
+    assert _name(pg_store, -5) in report.dropped, "an empty past partition goes too"
+    assert _name(pg_store, -3) not in report.dropped and _name(pg_store, -3) in partitions
+    assert _name(pg_store, 0) in partitions, "today's partition still receives claims"
+    assert pg_store.get(live) is not None
+
+
+def test_maintain_purges_expired_rows_from_default(pg_store: SQLStore, scope: Scope) -> None:
+    pg_store.claim(scope, FP, ttl=60, lease=30)
+    _move_to_day(pg_store, scope, 40)
+    _sql(pg_store, "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'")
+    assert pg_store.maintain(ahead=7).purged == 1
+    assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys") == [(0,)]

@@ -1,0 +1,261 @@
+"""One contract for every store primitive, run on PostgreSQL and SQLite."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import sqlalchemy as sa
+
+from flask_idem import Scope, State, StoredResponse, StoreUnavailable, create_store
+from flask_idem.store import SQLStore
+
+from .conftest import count_statements, shift
+
+FP = hashlib.sha256(b"request").digest()
+OTHER_FP = hashlib.sha256(b"other request").digest()
+RESPONSE = StoredResponse(
+    201, (("Content-Type", "application/json"), ("Location", "/v1/payments/pay_1")), b'{"id":1}'
+)
+
+
+def test_first_claim_owns_the_key(store: SQLStore, scope: Scope) -> None:
+    result = store.claim(scope, FP, ttl=3600, lease=30)
+    assert result.claimed
+    record = result.record
+    assert record.state is State.IN_PROGRESS
+    assert record.fingerprint == FP
+    assert len(result.token) == 32
+    assert 29 <= record.lease_remaining <= 30
+    assert 3599 <= (record.expires_at - record.created_at).total_seconds() <= 3600
+    assert record.response is None
+
+
+def test_second_claim_returns_the_existing_record(store: SQLStore, scope: Scope) -> None:
+    first = store.claim(scope, FP, ttl=3600, lease=30)
+    second = store.claim(scope, OTHER_FP, ttl=3600, lease=30)
+    assert not second.claimed
+    assert second.record.fingerprint == FP
+    assert second.record.created_at == first.record.created_at
+    assert second.record.retry_after() == 30
+    with pytest.raises(ValueError):
+        second.token  # noqa: B018
+
+
+def test_complete_stores_the_snapshot_for_replay(store: SQLStore, scope: Scope) -> None:
+    token = store.claim(scope, FP, ttl=3600, lease=30).token
+    assert store.complete(scope, token, RESPONSE)
+    replay = store.claim(scope, FP, ttl=3600, lease=30)
+    assert not replay.claimed
+    assert replay.record.state is State.COMPLETED
+    assert replay.record.response == RESPONSE
+    assert replay.record.completed_at is not None
+    assert not store.complete(scope, token, RESPONSE), "a completed record is final"
+
+
+def test_complete_keeps_binary_bodies_and_repeated_headers(store: SQLStore, scope: Scope) -> None:
+    body = bytes(range(256))
+    response = StoredResponse(200, (("Link", "<a>"), ("Link", "<b>")), body)
+    token = store.claim(scope, FP, ttl=60, lease=30).token
+    assert store.complete(scope, token, response)
+    record = store.get(scope)
+    assert record is not None and record.response == response
+
+
+def test_complete_without_response_marks_the_key_unstored(store: SQLStore, scope: Scope) -> None:
+    token = store.claim(scope, FP, ttl=3600, lease=30).token
+    assert store.complete(scope, token, None)
+    record = store.claim(scope, FP, ttl=3600, lease=30).record
+    assert record.state is State.UNSTORED
+    assert record.response is None
+
+
+def test_release_frees_the_key(store: SQLStore, scope: Scope) -> None:
+    token = store.claim(scope, FP, ttl=3600, lease=30).token
+    assert not store.release(scope, "0" * 32), "a wrong token releases nothing"
+    assert store.release(scope, token)
+    assert store.get(scope) is None
+    assert store.claim(scope, OTHER_FP, ttl=3600, lease=30).claimed
+
+
+def test_mark_unknown_blocks_retries(store: SQLStore, scope: Scope) -> None:
+    token = store.claim(scope, FP, ttl=3600, lease=30).token
+    assert store.mark_unknown(scope, token)
+    result = store.claim(scope, FP, ttl=3600, lease=30)
+    assert not result.claimed
+    assert result.record.state is State.UNKNOWN
+    assert not store.release(scope, token), "an unknown outcome is never released by its owner"
+
+
+def test_renew_extends_the_lease(store: SQLStore, scope: Scope) -> None:
+    token = store.claim(scope, FP, ttl=3600, lease=5).token
+    assert store.renew(scope, token, lease=120)
+    record = store.get(scope)
+    assert record is not None and record.lease_remaining > 100
+    assert not store.renew(scope, "0" * 32, lease=120)
+
+
+def test_take_over_needs_an_expired_lease(store: SQLStore, scope: Scope) -> None:
+    token = store.claim(scope, FP, ttl=3600, lease=30).token
+    assert store.take_over(scope, token, lease=30) is None
+    shift(store, scope, 31, "lease_expires_at")
+    record = store.get(scope)
+    assert record is not None and record.lease_expired
+    takeover = store.take_over(scope, token, lease=30)
+    assert takeover is not None and takeover.claimed
+    assert takeover.token != token
+    assert takeover.record.lease_remaining > 25
+    assert store.take_over(scope, token, lease=30) is None, "only one takeover per lease"
+
+
+def test_stale_owner_is_fenced_after_take_over(store: SQLStore, scope: Scope) -> None:
+    stale = store.claim(scope, FP, ttl=3600, lease=30).token
+    shift(store, scope, 31, "lease_expires_at")
+    takeover = store.take_over(scope, stale, lease=30)
+    assert takeover is not None
+    assert not store.complete(scope, stale, RESPONSE)
+    assert not store.release(scope, stale)
+    assert not store.renew(scope, stale, lease=30)
+    assert not store.mark_unknown(scope, stale)
+    assert store.complete(scope, takeover.token, RESPONSE)
+    record = store.get(scope)
+    assert record is not None and record.state is State.COMPLETED
+
+
+def test_expired_record_never_blocks(store: SQLStore, scope: Scope) -> None:
+    token = store.claim(scope, FP, ttl=60, lease=30).token
+    store.complete(scope, token, RESPONSE)
+    shift(store, scope, 61)
+    assert store.get(scope) is None
+    fresh = store.claim(scope, OTHER_FP, ttl=60, lease=30)
+    assert fresh.claimed, "a claim over an expired record in the same partition works"
+    assert fresh.record.fingerprint == OTHER_FP
+    record = store.get(scope)
+    assert record is not None and record.state is State.IN_PROGRESS
+
+
+def test_live_record_blocks_until_its_expiry(store: SQLStore, scope: Scope) -> None:
+    store.claim(scope, FP, ttl=60, lease=30)
+    shift(store, scope, 59)
+    assert not store.claim(scope, FP, ttl=60, lease=30).claimed
+
+
+def test_tenants_and_endpoints_never_collide(store: SQLStore) -> None:
+    scopes = [
+        Scope(tenant, endpoint, "same-key")
+        for tenant in ("alpha", "beta")
+        for endpoint in ("POST /v1/payments", "POST /v1/refunds")
+    ]
+    tokens = [store.claim(s, FP, ttl=60, lease=30) for s in scopes]
+    assert all(result.claimed for result in tokens)
+    assert store.complete(scopes[0], tokens[0].token, RESPONSE)
+    for other, result in zip(scopes[1:], tokens[1:], strict=True):
+        record = store.get(other)
+        assert record is not None and record.state is State.IN_PROGRESS
+        assert not store.complete(other, tokens[0].token, RESPONSE), "tokens are scope-bound"
+        assert store.release(other, result.token)
+
+
+def test_get_sees_only_the_live_record(store: SQLStore, scope: Scope) -> None:
+    assert store.get(scope) is None
+    store.claim(scope, FP, ttl=60, lease=30)
+    record = store.get(scope)
+    assert record is not None and record.scope == scope
+
+
+def test_complete_joins_the_business_transaction(store: SQLStore, scope: Scope) -> None:
+    token = store.claim(scope, FP, ttl=60, lease=30).token
+    connection = store.begin()
+    try:
+        assert store.complete(scope, token, RESPONSE, connection=connection)
+        connection.rollback()
+    finally:
+        connection.close()
+    record = store.get(scope)
+    assert record is not None and record.state is State.IN_PROGRESS, "rolled back together"
+
+    connection = store.begin()
+    try:
+        assert store.complete(scope, token, RESPONSE, connection=connection)
+        connection.commit()
+    finally:
+        connection.close()
+    record = store.get(scope)
+    assert record is not None and record.state is State.COMPLETED
+
+
+def test_times_come_from_the_database_clock(store: SQLStore, scope: Scope) -> None:
+    record = store.claim(scope, FP, ttl=60, lease=30).record
+    with store.engine.connect() as conn:
+        if store.dialect == "postgresql":
+            db_now = conn.execute(sa.text("SELECT now()")).scalar_one()
+        else:
+            db_now = conn.execute(sa.text("SELECT datetime('now')")).scalar_one()
+    assert abs((record.now - record.created_at).total_seconds()) < 1
+    assert str(db_now)[:13] == record.now.strftime("%Y-%m-%d %H")[:13]
+
+
+def test_unreachable_database_raises_store_unavailable(db_url: str, scope: Scope) -> None:
+    if db_url.startswith("sqlite"):
+        broken = create_store("sqlite:////nonexistent-dir/for/sure/idem.sqlite3")
+    else:
+        broken = create_store("postgresql://nobody@127.0.0.1:1/none")
+    for call in (
+        lambda: broken.claim(scope, FP, ttl=60, lease=30),
+        lambda: broken.get(scope),
+        lambda: broken.complete(scope, "0" * 32, RESPONSE),
+        lambda: broken.release(scope, "0" * 32),
+        lambda: broken.maintain(ahead=1),
+    ):
+        with pytest.raises(StoreUnavailable):
+            call()
+    broken.engine.dispose()
+
+
+def test_missing_schema_raises_store_unavailable(tmp_path: object, scope: Scope) -> None:
+    empty = create_store(f"sqlite:///{tmp_path}/empty.sqlite3")
+    with pytest.raises(StoreUnavailable):
+        empty.claim(scope, FP, ttl=60, lease=30)
+    empty.engine.dispose()
+
+
+class TestRoundTrips:
+    """The SQL budget on PostgreSQL, counted at the driver (every statement is a round trip)."""
+
+    def test_claim_is_one_statement_new_or_existing(self, pg_store: SQLStore, scope: Scope) -> None:
+        with count_statements(pg_store.engine) as new:
+            token = pg_store.claim(scope, FP, ttl=60, lease=30).token
+        with count_statements(pg_store.engine) as existing:
+            pg_store.claim(scope, FP, ttl=60, lease=30)
+        assert len(new) == 1, new
+        assert len(existing) == 1, existing
+        with count_statements(pg_store.engine) as complete:
+            pg_store.complete(scope, token, RESPONSE)
+        assert len(complete) == 1, complete
+        with count_statements(pg_store.engine) as replay:
+            assert pg_store.claim(scope, FP, ttl=60, lease=30).record.response == RESPONSE
+        assert len(replay) == 1, replay
+
+    def test_release_is_one_statement(self, pg_store: SQLStore, scope: Scope) -> None:
+        token = pg_store.claim(scope, FP, ttl=60, lease=30).token
+        with count_statements(pg_store.engine) as seen:
+            assert pg_store.release(scope, token)
+        assert len(seen) == 1, seen
+
+    def test_primitives_send_no_begin_or_commit(self, pg_store: SQLStore, scope: Scope) -> None:
+        # psycopg2 sends BEGIN before, and the pool COMMIT after, any statement that runs
+        # outside autocommit: each would be another round trip.
+        modes: list[bool] = []
+
+        def record(conn: sa.Connection, *_args: object) -> None:
+            modes.append(conn.connection.dbapi_connection.autocommit)  # type: ignore[union-attr]
+
+        sa.event.listen(pg_store.engine, "before_cursor_execute", record)
+        try:
+            token = pg_store.claim(scope, FP, ttl=60, lease=30).token
+            pg_store.renew(scope, token, lease=30)
+            pg_store.complete(scope, token, RESPONSE)
+            pg_store.claim(scope, FP, ttl=60, lease=30)
+        finally:
+            sa.event.remove(pg_store.engine, "before_cursor_execute", record)
+        assert modes == [True, True, True, True]
