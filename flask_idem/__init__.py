@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from . import signals
 from .errors import ConfigurationError, IdempotencyError, StoreUnavailable
+from .extension import Idempotency, ViewOptions
+from .keys import derive_key
+from .problem import Problem
 from .record import ClaimResult, MaintenanceReport, Record, Scope, State, StoredResponse
 from .store import Store, create_store
 
@@ -11,13 +15,18 @@ __version__ = "0.1.0"
 __all__ = [
     "ClaimResult",
     "ConfigurationError",
+    "Idempotency",
     "IdempotencyError",
     "MaintenanceReport",
+    "Problem",
     "Record",
     "Scope",
     "State",
     "Store",
     "StoreUnavailable",
     "StoredResponse",
+    "ViewOptions",
     "create_store",
+    "derive_key",
+    "signals",
 ]

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import typing as t
 from pathlib import Path
 
+import flask
 import pytest
 import sqlalchemy as sa
+from flask import Flask
 
-from flask_idem import Scope
+from flask_idem import Idempotency, Scope
 from flask_idem.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 
@@ -144,3 +147,65 @@ def count_statements(engine: sa.Engine) -> t.Iterator[list[str]]:
         yield seen
     finally:
         sa.event.remove(engine, "before_cursor_execute", record)
+
+
+class Counter:
+    """Counts view executions: the property every idempotency test is about."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def bump(self) -> int:
+        with self.lock:
+            self.calls += 1
+            return self.calls
+
+
+@pytest.fixture
+def app_factory(store: SQLStore) -> t.Callable[..., tuple[Flask, Idempotency, Counter]]:
+    """Build a small payments app on the store's database with any ``IDEMPOTENCY_*`` config."""
+
+    def make(
+        *, tenant: str | None = "alpha", **config: t.Any
+    ) -> tuple[Flask, Idempotency, Counter]:
+        app = Flask("idem-test")
+        app.config.update(TESTING=True, PROPAGATE_EXCEPTIONS=False)
+        app.config.update(config)
+        idem = Idempotency(store=store, tenant=lambda: flask.g.get("tenant", tenant))
+        counter = Counter()
+
+        @app.before_request
+        def authenticate() -> None:
+            header = flask.request.headers.get("X-Tenant")
+            if header:
+                flask.g.tenant = header
+
+        idem.init_app(app)
+
+        @app.post("/payments")
+        @idem.idempotent(exclude=["client_ts"])
+        def create_payment() -> t.Any:
+            n = counter.bump()
+            body = flask.request.get_json(silent=True) or {}
+            headers = {
+                "Location": f"/payments/pay_{n}",
+                "Set-Cookie": f"last=pay_{n}",
+                "X-Request-Id": str(n),
+            }
+            return flask.jsonify(id=f"pay_{n}", amount=body.get("amount")), 201, headers
+
+        @app.get("/payments")
+        def list_payments() -> t.Any:
+            counter.bump()
+            return flask.jsonify(data=[])
+
+        @app.post("/status/<int:code>")
+        @idem.idempotent
+        def answer_status(code: int) -> t.Any:
+            counter.bump()
+            return flask.jsonify(code=code), code
+
+        return app, idem, counter
+
+    return make

@@ -1,0 +1,149 @@
+"""``IDEMPOTENCY_*`` configuration: every name and default spelled once, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing as t
+import urllib.parse
+
+import sqlalchemy as sa
+
+from .errors import ConfigurationError
+
+#: Config key -> default. README's configuration table documents each of them.
+DEFAULTS: dict[str, t.Any] = {
+    "IDEMPOTENCY_DATABASE_URL": None,
+    "IDEMPOTENCY_ENGINE": None,
+    "IDEMPOTENCY_TTL": 86400,
+    "IDEMPOTENCY_LEASE": 30,
+    "IDEMPOTENCY_HEADER": "Idempotency-Key",
+    "IDEMPOTENCY_HEADER_ALIASES": ("X-Idempotency-Key",),
+    "IDEMPOTENCY_METHODS": ("POST", "PATCH"),
+    "IDEMPOTENCY_KEY_REQUIRED": True,
+    "IDEMPOTENCY_PROTECT_ALL": False,
+    "IDEMPOTENCY_MAX_BODY": 256 * 1024,
+    "IDEMPOTENCY_STORED_HEADERS": ("Content-Type", "Location", "Content-Language", "ETag", "Link"),
+    "IDEMPOTENCY_NEVER_STORE": (401, 403, 408, 425, 429, 502, 503, 504),
+    "IDEMPOTENCY_PROBLEM_BASE": "https://flask-idem.dev/problems/",
+    "IDEMPOTENCY_WAIT": 0,
+    "IDEMPOTENCY_PARTITIONS_AHEAD": 7,
+}
+
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an HTTP field name (RFC 9110 token)
+_METHODS = {"POST", "PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The validated ``IDEMPOTENCY_*`` values of one application."""
+
+    database_url: str | None
+    engine: sa.Engine | None
+    ttl: float
+    lease: float
+    header: str
+    header_aliases: tuple[str, ...]
+    methods: frozenset[str]
+    key_required: bool
+    protect_all: bool
+    max_body: int
+    stored_headers: frozenset[str]
+    never_store: frozenset[int]
+    problem_base: str
+    wait: float
+    partitions_ahead: int
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        """The canonical header first, then its aliases."""
+        return (self.header, *self.header_aliases)
+
+    @classmethod
+    def from_mapping(cls, config: t.Mapping[str, t.Any]) -> Settings:
+        """Read and validate the settings; errors say which key and what to do."""
+        value = {name: config.get(name, default) for name, default in DEFAULTS.items()}
+
+        def number(name: str, *, minimum: float, integer: bool = False) -> t.Any:
+            raw = value[name]
+            try:
+                parsed = int(raw) if integer else float(raw)
+            except (TypeError, ValueError):
+                raise ConfigurationError(f"{name} must be a number, got {raw!r}") from None
+            if integer and isinstance(raw, float | str) and float(raw) != parsed:
+                raise ConfigurationError(f"{name} must be a whole number, got {raw!r}")
+            if parsed < minimum:
+                raise ConfigurationError(f"{name} must be at least {minimum}, got {raw!r}")
+            return parsed
+
+        def names(name: str) -> tuple[str, ...]:
+            raw = value[name]
+            items = (raw,) if isinstance(raw, str) else tuple(raw)
+            for item in items:
+                if not isinstance(item, str) or not _TOKEN.match(item):
+                    raise ConfigurationError(f"{name}: {item!r} is not an HTTP header name")
+            return items
+
+        def flag(name: str) -> bool:
+            raw = value[name]
+            if isinstance(raw, str):
+                if raw.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if raw.lower() in ("0", "false", "no", "off", ""):
+                    return False
+            if isinstance(raw, bool):
+                return raw
+            raise ConfigurationError(f"{name} must be true or false, got {raw!r}")
+
+        ttl = number("IDEMPOTENCY_TTL", minimum=1)
+        lease = number("IDEMPOTENCY_LEASE", minimum=1)
+        if lease > ttl:
+            raise ConfigurationError(
+                f"IDEMPOTENCY_LEASE ({lease}) must not exceed IDEMPOTENCY_TTL ({ttl}): a key "
+                "would expire while its first request still holds it"
+            )
+        methods_raw = value["IDEMPOTENCY_METHODS"]
+        methods = (methods_raw,) if isinstance(methods_raw, str) else tuple(methods_raw)
+        methods = tuple(str(m).upper() for m in methods)
+        if not methods or not set(methods) <= _METHODS:
+            raise ConfigurationError(
+                f"IDEMPOTENCY_METHODS must be HTTP methods from {sorted(_METHODS)}, got {methods!r}"
+            )
+        try:
+            never_store = frozenset(int(code) for code in value["IDEMPOTENCY_NEVER_STORE"])
+        except (TypeError, ValueError):
+            raise ConfigurationError("IDEMPOTENCY_NEVER_STORE must be HTTP status codes") from None
+        if not all(100 <= code <= 599 for code in never_store):
+            raise ConfigurationError("IDEMPOTENCY_NEVER_STORE must be HTTP status codes")
+        base = str(value["IDEMPOTENCY_PROBLEM_BASE"])
+        parsed_base = urllib.parse.urlsplit(base)
+        if not parsed_base.scheme or not (parsed_base.netloc or parsed_base.path):
+            raise ConfigurationError(
+                f"IDEMPOTENCY_PROBLEM_BASE must be an absolute URI, got {base!r}"
+            )
+        engine = value["IDEMPOTENCY_ENGINE"]
+        if engine is not None and not isinstance(engine, sa.Engine):
+            raise ConfigurationError("IDEMPOTENCY_ENGINE must be a SQLAlchemy Engine")
+        url = value["IDEMPOTENCY_DATABASE_URL"]
+        if url is not None and not isinstance(url, str):
+            raise ConfigurationError("IDEMPOTENCY_DATABASE_URL must be a database URL string")
+        header = names("IDEMPOTENCY_HEADER")
+        if len(header) != 1:
+            raise ConfigurationError("IDEMPOTENCY_HEADER must be one header name")
+        return cls(
+            database_url=url,
+            engine=engine,
+            ttl=ttl,
+            lease=lease,
+            header=header[0],
+            header_aliases=names("IDEMPOTENCY_HEADER_ALIASES"),
+            methods=frozenset(methods),
+            key_required=flag("IDEMPOTENCY_KEY_REQUIRED"),
+            protect_all=flag("IDEMPOTENCY_PROTECT_ALL"),
+            max_body=number("IDEMPOTENCY_MAX_BODY", minimum=0, integer=True),
+            stored_headers=frozenset(h.lower() for h in names("IDEMPOTENCY_STORED_HEADERS")),
+            never_store=never_store,
+            problem_base=base if base.endswith(("/", ":")) else base + "/",
+            wait=number("IDEMPOTENCY_WAIT", minimum=0),
+            partitions_ahead=number("IDEMPOTENCY_PARTITIONS_AHEAD", minimum=0, integer=True),
+        )

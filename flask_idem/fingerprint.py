@@ -1,0 +1,248 @@
+"""Request fingerprints, so that a retry matches its original and a different request does not.
+
+An idempotency key is only safe if the server can tell a genuine retry from a client
+reusing the key for a different request. The fingerprint is the SHA-256 digest of a
+*canonical request*, which removes the differences that carry no meaning:
+
+* The method is upper-cased and view arguments are compared as strings, because that is
+  how they reach the view.
+* Query pairs and form fields are sorted, because clients and proxies do not preserve
+  their order.
+* JSON bodies are re-serialised with sorted keys and no whitespace, because key order and
+  formatting are transport noise.
+* JSON numbers compare by value (``4200``, ``4200.0``, ``4.2e3`` and ``42e2`` are equal),
+  because clients' JSON libraries spell the same number differently. They are parsed as
+  :class:`~decimal.Decimal`, so large integers stay exact.
+* Strings are never numbers, and ``true``/``null`` are never ``1``/``"null"``, because the
+  view sees different types.
+* Volatile top-level fields, such as a client timestamp, are left out through the view's
+  ``exclude``/``include`` options, because they change on every retry.
+
+Bodies that cannot be canonicalised (malformed JSON, ``NaN``, invalid UTF-8, duplicate
+keys) are not rejected here: they are fingerprinted byte for byte, tagged so they never
+equal a canonical form, and the view itself answers 400. ``multipart/form-data`` bodies
+are also compared byte for byte together with the full ``Content-Type``, because their
+boundaries are random per client: they only match when the boundary and bytes are the same.
+"""
+
+from __future__ import annotations
+
+import base64
+import decimal
+import hashlib
+import json
+import typing as t
+from urllib.parse import parse_qsl
+
+#: Bumped whenever the canonical form changes, so that old fingerprints stop matching
+#: instead of silently matching different requests.
+_FORMAT = "flask-idem/fingerprint/1"
+
+#: Deeper JSON is fingerprinted raw, so that the result never depends on how much of the
+#: interpreter's recursion limit the caller's stack has already used.
+_MAX_DEPTH = 128
+
+#: Integral numbers with more trailing zeros are written with an exponent, so that a tiny
+#: body such as ``1e999999999`` cannot expand into a huge canonical form.
+_MAX_PLAIN_EXPONENT = 32
+
+_JsonValue: t.TypeAlias = (
+    "None | bool | decimal.Decimal | str | list[_JsonValue] | dict[str, _JsonValue]"
+)
+
+
+class _NotCanonicalError(ValueError):
+    """Raised while parsing a JSON body that has no canonical form, to fall back to raw."""
+
+
+def canonical_request(
+    method: str,
+    rule: str,
+    view_args: t.Mapping[str, t.Any],
+    query: t.Iterable[tuple[str, str]],
+    body: bytes,
+    content_type: str | None,
+    *,
+    exclude: t.Collection[str] = (),
+    include: t.Collection[str] | None = None,
+) -> bytes:
+    """Return the canonical serialisation, so that equivalent requests give equal bytes.
+
+    The result is a compact JSON array encoded as UTF-8 (lone surrogates are kept with
+    ``surrogatepass`` rather than failing). Every part sits in its own JSON string or
+    array, so no value can imitate a delimiter and distinct requests never collide.
+
+    :param method: The HTTP method, compared case-insensitively.
+    :param rule: The URL rule of the endpoint, e.g. ``"/v1/payments/<id>/refunds"``.
+    :param view_args: The values matched by the rule's converters, compared as strings.
+    :param query: The query pairs in arrival order, with repeated names allowed.
+    :param body: The raw request body.
+    :param content_type: The ``Content-Type`` header, or ``None`` if it is missing.
+    :param exclude: Top-level JSON object keys or form field names to leave out.
+    :param include: If given, the only top-level JSON object keys or form field names kept.
+    :return: The canonical request bytes.
+    """
+    envelope = [
+        _FORMAT,
+        method.upper(),
+        rule,
+        [[name, str(value)] for name, value in sorted(view_args.items())],
+        [[name, value] for name, value in sorted(query)],
+        _canonical_body(body, content_type, exclude, include),
+    ]
+    text = json.dumps(envelope, ensure_ascii=False, separators=(",", ":"))
+    return text.encode("utf-8", "surrogatepass")
+
+
+def fingerprint(
+    method: str,
+    rule: str,
+    view_args: t.Mapping[str, t.Any],
+    query: t.Iterable[tuple[str, str]],
+    body: bytes,
+    content_type: str | None,
+    *,
+    exclude: t.Collection[str] = (),
+    include: t.Collection[str] | None = None,
+) -> bytes:
+    """Return the SHA-256 digest of the canonical request, a fixed-size key to store.
+
+    Takes the same parameters as :func:`canonical_request`.
+
+    :return: The 32-byte digest.
+    """
+    canonical = canonical_request(
+        method, rule, view_args, query, body, content_type, exclude=exclude, include=include
+    )
+    return hashlib.sha256(canonical).digest()
+
+
+def _canonical_body(
+    body: bytes,
+    content_type: str | None,
+    exclude: t.Collection[str],
+    include: t.Collection[str] | None,
+) -> list[object]:
+    """Return the body part of the envelope, tagged by kind so kinds never collide."""
+    # A client that sends no body may or may not send a Content-Type; both are the same request.
+    if not body:
+        return ["empty"]
+
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+
+    if media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    ):
+        try:
+            return ["json", _canonical_json_body(body, exclude, include)]
+        except (ValueError, ArithmeticError, RecursionError):
+            # Decimal raises ArithmeticError on exponents it cannot hold, and the JSON
+            # parser RecursionError on nesting beyond the interpreter's limit.
+            return _raw(media_type, body)
+
+    if media_type == "application/x-www-form-urlencoded":
+        try:
+            pairs = parse_qsl(
+                body.decode("utf-8"), keep_blank_values=True, strict_parsing=False, errors="strict"
+            )
+        except UnicodeDecodeError:
+            return _raw(media_type, body)
+        return [
+            "form",
+            sorted([name, value] for name, value in pairs if _keep(name, exclude, include)),
+        ]
+
+    if media_type == "multipart/form-data":
+        # The boundary is part of how the bytes are read, so it has to be part of the key.
+        return ["multipart", content_type, _encode_bytes(body)]
+
+    return _raw(media_type, body)
+
+
+def _canonical_json_body(
+    body: bytes, exclude: t.Collection[str], include: t.Collection[str] | None
+) -> str:
+    """Return the canonical JSON text of a body, or raise if it is not strict JSON."""
+    value: _JsonValue = json.loads(
+        body.decode("utf-8"),
+        parse_float=decimal.Decimal,
+        parse_int=decimal.Decimal,
+        parse_constant=_reject_constant,
+        object_pairs_hook=_reject_duplicate_keys,
+    )
+    if isinstance(value, dict):
+        value = {key: item for key, item in value.items() if _keep(key, exclude, include)}
+    return _canonical_json(value, 0)
+
+
+def _canonical_json(value: _JsonValue, depth: int) -> str:
+    """Serialise a parsed value with sorted keys, no whitespace and numbers by value."""
+    if depth > _MAX_DEPTH:
+        raise _NotCanonicalError("JSON body is nested too deeply")
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, decimal.Decimal):
+        return _canonical_number(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ",".join(_canonical_json(item, depth + 1) for item in value) + "]"
+    members = (
+        json.dumps(key, ensure_ascii=False) + ":" + _canonical_json(item, depth + 1)
+        for key, item in sorted(value.items())
+    )
+    return "{" + ",".join(members) + "}"
+
+
+def _canonical_number(value: decimal.Decimal) -> str:
+    """Return the one spelling of a number's value, so clients' spellings compare equal.
+
+    Trailing zeros move into the exponent, so the coefficient and exponent are unique per
+    value. Integers are written in full (``4200``); other values, and integers with more
+    than :data:`_MAX_PLAIN_EXPONENT` trailing zeros, as ``<coefficient>e<exponent>``
+    (``125e-2``). Zero of any sign or scale is ``0``. The result is a valid JSON number.
+    """
+    sign, digits, exponent = value.as_tuple()
+    # JSON number syntax only produces finite decimals, whose exponent is an int.
+    assert isinstance(exponent, int)
+    spelled = "".join(map(str, digits))
+    # Done on the digit string rather than with Decimal.normalize(), which rounds to the
+    # context precision and would make large integers inexact.
+    coefficient = spelled.rstrip("0")
+    if not coefficient:
+        return "0"
+    exponent += len(spelled) - len(coefficient)
+    prefix = "-" if sign else ""
+    if 0 <= exponent <= _MAX_PLAIN_EXPONENT:
+        return prefix + coefficient + "0" * exponent
+    return f"{prefix}{coefficient}e{exponent}"
+
+
+def _reject_constant(name: str) -> t.NoReturn:
+    """Refuse ``NaN`` and ``Infinity``, which are not JSON and have no value to compare."""
+    raise _NotCanonicalError(f"JSON body contains {name}")
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, _JsonValue]]) -> dict[str, _JsonValue]:
+    """Refuse duplicate keys, whose meaning depends on the parser that reads them."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _NotCanonicalError("JSON body contains a duplicate key")
+    return obj
+
+
+def _keep(name: str, exclude: t.Collection[str], include: t.Collection[str] | None) -> bool:
+    """Tell whether a top-level field takes part in the fingerprint."""
+    return name not in exclude and (include is None or name in include)
+
+
+def _raw(media_type: str, body: bytes) -> list[object]:
+    """Return the byte-for-byte body part, for bodies without a canonical form."""
+    return ["raw", media_type, _encode_bytes(body)]
+
+
+def _encode_bytes(body: bytes) -> str:
+    """Encode arbitrary bytes as text, so they fit in the JSON envelope."""
+    return base64.b64encode(body).decode("ascii")

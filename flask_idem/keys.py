@@ -1,0 +1,69 @@
+"""Idempotency keys: reading them from headers, hashing them for logs, deriving downstream keys."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import typing as t
+import uuid
+
+from .record import Scope
+
+#: A valid key: 1 to 255 characters that survive headers, logs and URLs unescaped.
+KEY_PATTERN = re.compile(r"[A-Za-z0-9\-_.:~+/=]{1,255}")
+
+# Namespace of keys derived for downstream calls (a fixed, random UUID).
+_DOWNSTREAM_NAMESPACE = uuid.UUID("5f1d2c1e-8a3b-4f6e-9c7d-2b4a6e8f0a13")
+
+
+class InvalidKey(ValueError):
+    """A key header that is present but unusable; the message is safe to show the client."""
+
+
+def normalize(value: str) -> str:
+    """Strip optional white space and a structured-field string's quotes, then validate.
+
+    ``"abc"`` (RFC 9651 sf-string, as the IETF draft asks) and ``abc`` (what most clients
+    send) are the same key. Escapes can never be valid, because ``"`` and ``\\`` are not in
+    the key alphabet.
+    """
+    value = value.strip(" \t")
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = value[1:-1]
+    if not KEY_PATTERN.fullmatch(value):
+        raise InvalidKey(
+            "an idempotency key is 1 to 255 characters from A-Z a-z 0-9 - _ . : ~ + / ="
+        )
+    return value
+
+
+def read_key(headers: t.Any, names: t.Sequence[str]) -> str | None:
+    """The key carried by any of the header ``names`` (case-insensitive), or None.
+
+    :raises InvalidKey: a value is invalid, or the headers carry different keys.
+    """
+    found: set[str] = set()
+    for name in names:
+        for value in headers.getlist(name):
+            found.add(normalize(value))
+    if len(found) > 1:
+        raise InvalidKey(f"{' and '.join(names)} carry different keys; send one key")
+    return found.pop() if found else None
+
+
+def key_hash(scope: Scope) -> str:
+    """A short, stable digest of a scope for logs and signals, never the raw key."""
+    material = "\x1f".join((scope.tenant, scope.endpoint, scope.key)).encode()
+    return hashlib.sha256(material).hexdigest()[:16]
+
+
+def derive_key(scope: Scope, step: str) -> str:
+    """A deterministic key for one downstream call of one operation.
+
+    Every retry of the operation (same tenant, endpoint and key) derives the same key for
+    ``step``, so a payment provider that deduplicates on it charges once however often the
+    operation re-executes; different steps or operations never share a key.
+    """
+    parts = (scope.tenant, scope.endpoint, scope.key, step)
+    material = "".join(f"{len(part)}:{part}" for part in parts)
+    return str(uuid.uuid5(_DOWNSTREAM_NAMESPACE, material))
