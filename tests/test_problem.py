@@ -1,0 +1,104 @@
+"""problem+json documents (RFC 9457) and key handling, without a database."""
+
+from __future__ import annotations
+
+import json
+import string
+
+import flask
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from werkzeug.datastructures import Headers
+
+from flask_idem import Problem, Scope, derive_key
+from flask_idem.keys import KEY_PATTERN, InvalidKey, normalize, read_key
+from flask_idem.problem import KeyReused, RequestInProgress, StoreUnavailableProblem
+
+ALPHABET = string.ascii_letters + string.digits + "-_.:~+/="
+NAMES = ("Idempotency-Key", "X-Idempotency-Key")
+
+
+def test_problem_renders_rfc9457_without_a_handler() -> None:
+    app = flask.Flask("problem-test")
+
+    @app.post("/x")
+    def x() -> str:
+        raise RequestInProgress("still running", retry_after=7)
+
+    response = app.test_client().post("/x")
+    assert response.status_code == 409
+    assert response.headers["Content-Type"] == "application/problem+json"
+    assert response.headers["Retry-After"] == "7"
+    document = json.loads(response.data)
+    assert document == {
+        "type": "https://flask-idem.dev/problems/request-in-progress",
+        "title": "Request in progress",
+        "status": 409,
+        "detail": "still running",
+        "instance": "/x",
+    }
+
+
+def test_application_problems_carry_extension_members() -> None:
+    problem = Problem(
+        "Card declined by the issuer.",
+        problem="card-declined",
+        status=402,
+        title="Card declined",
+        extensions={"errors": {"card": ["declined"]}},
+    )
+    document = json.loads(problem.get_body())
+    assert document["type"].endswith("/card-declined") and document["status"] == 402
+    assert document["errors"] == {"card": ["declined"]}
+    assert problem.get_response().status_code == 402
+
+
+def test_problem_types_are_absolute_uris_ending_in_their_name() -> None:
+    for problem in (KeyReused("x"), StoreUnavailableProblem("y")):
+        document = json.loads(problem.get_body())
+        assert document["type"].startswith("https://")
+        assert document["type"].rsplit("/", 1)[1] == problem.problem
+
+
+@given(st.text(ALPHABET, min_size=1, max_size=255), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_every_valid_key_is_read_quoted_or_not(key: str, quoted: bool) -> None:
+    value = f'"{key}"' if quoted else key
+    assert read_key(Headers({"idempotency-key": value}), NAMES) == key
+
+
+@given(st.text(min_size=0, max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_invalid_keys_are_rejected(value: str) -> None:
+    stripped = value.strip(" \t")
+    inner = (
+        stripped[1:-1] if len(stripped) >= 2 and stripped[0] == stripped[-1] == '"' else stripped
+    )
+    if KEY_PATTERN.fullmatch(inner):
+        assert normalize(value) == inner
+    else:
+        with pytest.raises(InvalidKey):
+            normalize(value)
+
+
+def test_conflicting_headers_are_rejected_and_equal_ones_accepted() -> None:
+    assert read_key(Headers([("Idempotency-Key", "a"), ("X-Idempotency-Key", '"a"')]), NAMES) == "a"
+    with pytest.raises(InvalidKey, match="different keys"):
+        read_key(Headers([("Idempotency-Key", "a"), ("X-Idempotency-Key", "b")]), NAMES)
+    with pytest.raises(InvalidKey):
+        read_key(Headers([("Idempotency-Key", "a"), ("Idempotency-Key", "b")]), NAMES)
+    assert read_key(Headers(), NAMES) is None
+
+
+@given(st.text(ALPHABET, min_size=1), st.text(ALPHABET, min_size=1), st.text(min_size=1))
+@settings(max_examples=100, deadline=None)
+def test_derived_keys_depend_on_every_part(key: str, other: str, step: str) -> None:
+    scope = Scope("alpha", "POST /v1/payments", key)
+    derived = derive_key(scope, step)
+    assert derived == derive_key(scope, step)
+    assert KEY_PATTERN.fullmatch(derived)
+    assert derived != derive_key(Scope("beta", scope.endpoint, key), step)
+    assert derived != derive_key(scope, step + "x")
+    if other != key:
+        assert derived != derive_key(Scope("alpha", scope.endpoint, other), step)
