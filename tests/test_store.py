@@ -259,3 +259,35 @@ class TestRoundTrips:
         finally:
             sa.event.remove(pg_store.engine, "before_cursor_execute", record)
         assert modes == [True, True, True, True]
+
+
+def test_stuck_lists_expired_leases_and_unknown_outcomes_oldest_first(store: SQLStore) -> None:
+    alive, dead, unknown, done = (Scope("t", "e", name) for name in ("alive", "dead", "unk", "ok"))
+    store.claim(alive, FP, ttl=600, lease=30)
+    dead_token = store.claim(dead, FP, ttl=600, lease=30).token
+    store.mark_unknown(unknown, store.claim(unknown, FP, ttl=600, lease=30).token)
+    store.complete(done, store.claim(done, FP, ttl=600, lease=30).token, RESPONSE)
+    shift(store, dead, 31, "lease_expires_at")
+    shift(store, unknown, 5, "created_at")
+    assert [record.scope for record in store.stuck()] == [unknown, dead]
+    assert not store.resolve(alive, RESPONSE), "a live owner is never overruled"
+    assert not store.resolve(done, None)
+    assert store.resolve(dead, RESPONSE)
+    replay = store.claim(dead, FP, ttl=600, lease=30)
+    assert not replay.claimed and replay.record.response == RESPONSE
+    assert not store.complete(dead, dead_token, RESPONSE)
+    assert store.resolve(unknown, None)
+    assert store.claim(unknown, FP, ttl=600, lease=30).claimed
+    assert store.stuck() == []
+
+
+def test_find_and_evict(store: SQLStore) -> None:
+    payments, refunds = Scope("t", "POST /p", "k"), Scope("t", "POST /r", "k")
+    for scope in (payments, refunds):
+        store.claim(scope, FP, ttl=600, lease=30)
+    assert [r.scope for r in store.find("t", "k")] == [payments, refunds]
+    assert [r.scope for r in store.find("t", "k", endpoint="POST /r")] == [refunds]
+    assert store.find("other", "k") == []
+    assert store.evict(payments)
+    assert not store.evict(payments)
+    assert store.claim(payments, FP, ttl=600, lease=30).claimed

@@ -73,6 +73,28 @@ class Store(abc.ABC):
         """Return the live (unexpired) record of the scope, if any."""
 
     @abc.abstractmethod
+    def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
+        """Live records of ``key`` in one tenant, on one endpoint or all (operators' view)."""
+
+    @abc.abstractmethod
+    def stuck(self, *, limit: int = 1000) -> list[Record]:
+        """Records in progress past their lease, and records whose outcome is unknown,
+        oldest first, across tenants (for operators and reconcilers)."""
+
+    @abc.abstractmethod
+    def resolve(self, scope: Scope, response: StoredResponse | None) -> bool:
+        """Settle a stuck record from outside the request that claimed it.
+
+        With a response the record completes (later retries replay it); with None the key is
+        released. Only records that are ``unknown`` or whose lease has expired can be settled,
+        never one whose owner is still alive.
+        """
+
+    @abc.abstractmethod
+    def evict(self, scope: Scope) -> bool:
+        """Administrative removal of the live record, whatever its state."""
+
+    @abc.abstractmethod
     def begin(self) -> sa.Connection:
         """Open a connection in a transaction for business writes committed with ``complete``."""
 

@@ -51,9 +51,12 @@ def _aware(value: dt.datetime | None) -> dt.datetime | None:
     return value
 
 
-def record_from_row(scope: Scope, row: t.Any) -> Record:
-    """Build a :class:`Record` from a row carrying ``RECORD_COLUMNS`` and ``db_now``."""
+def record_from_row(scope: Scope | None, row: t.Any) -> Record:
+    """Build a :class:`Record` from a row carrying ``RECORD_COLUMNS`` and ``db_now`` (and the
+    scope columns when ``scope`` is None)."""
     m = row._mapping
+    if scope is None:
+        scope = Scope(m["tenant"], m["endpoint"], m["key"])
     response = None
     if m["response_status"] is not None and m["response_body"] is not None:
         response = StoredResponse(
@@ -180,17 +183,79 @@ class SQLStore(Store):
     def get(self, scope: Scope) -> Record | None:
         statement = (
             sa.select(*self._returning())
-            .where(
-                table.c.tenant == scope.tenant,
-                table.c.endpoint == scope.endpoint,
-                table.c.key == scope.key,
-                table.c.expires_at > self.now(),
-            )
+            .where(self._live(scope))
             .order_by(table.c.created_at.desc())
             .limit(1)
         )
         row = self._execute(statement).first
         return None if row is None else record_from_row(scope, row)
+
+    def _live(self, scope: Scope) -> sa.ColumnElement[bool]:
+        return sa.and_(
+            table.c.tenant == scope.tenant,
+            table.c.endpoint == scope.endpoint,
+            table.c.key == scope.key,
+            table.c.expires_at > self.now(),
+        )
+
+    def _stuck(self) -> sa.ColumnElement[bool]:
+        return sa.and_(
+            table.c.expires_at > self.now(),
+            sa.or_(
+                table.c.state == State.UNKNOWN.value,
+                sa.and_(
+                    table.c.state == State.IN_PROGRESS.value,
+                    table.c.lease_expires_at <= self.now(),
+                ),
+            ),
+        )
+
+    def _scoped_returning(self) -> list[sa.ColumnElement[t.Any]]:
+        return [table.c.tenant, table.c.endpoint, table.c.key, *self._returning()]
+
+    def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
+        statement = (
+            sa.select(*self._scoped_returning())
+            .where(
+                table.c.tenant == tenant,
+                table.c.key == key,
+                table.c.expires_at > self.now(),
+            )
+            .order_by(table.c.created_at)
+        )
+        if endpoint is not None:
+            statement = statement.where(table.c.endpoint == endpoint)
+        return [record_from_row(None, row) for row in self._execute(statement).rows]
+
+    def stuck(self, *, limit: int = 1000) -> list[Record]:
+        statement = (
+            sa.select(*self._scoped_returning())
+            .where(self._stuck())
+            .order_by(table.c.created_at)
+            .limit(limit)
+        )
+        return [record_from_row(None, row) for row in self._execute(statement).rows]
+
+    def resolve(self, scope: Scope, response: StoredResponse | None) -> bool:
+        settle = sa.and_(self._live(scope), self._stuck())
+        if response is None:
+            return self._execute(table.delete().where(settle)).rowcount == 1
+        statement = (
+            table.update()
+            .where(settle)
+            .values(
+                state=State.COMPLETED.value,
+                response_status=response.status,
+                response_headers=[list(pair) for pair in response.headers],
+                response_body=response.body,
+                completed_at=self.now(),
+                lease_expires_at=None,
+            )
+        )
+        return self._execute(statement).rowcount == 1
+
+    def evict(self, scope: Scope) -> bool:
+        return self._execute(table.delete().where(self._live(scope))).rowcount >= 1
 
     def begin(self) -> sa.Connection:
         with translate_errors():

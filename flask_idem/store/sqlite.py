@@ -69,12 +69,7 @@ class SQLiteStore(SQLStore):
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         live = (
             sa.select(*self._returning())
-            .where(
-                table.c.tenant == scope.tenant,
-                table.c.endpoint == scope.endpoint,
-                table.c.key == scope.key,
-                table.c.expires_at > self.now(),
-            )
+            .where(self._live(scope))
             .order_by(table.c.created_at.desc())
             .limit(1)
         )
