@@ -1,9 +1,11 @@
-"""Idempotency keys: reading them from headers, hashing them for logs, deriving downstream keys."""
+"""Idempotency keys: generating, reading from headers, hashing for logs, deriving downstream."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
+import secrets
 import typing as t
 import uuid
 
@@ -67,3 +69,37 @@ def derive_key(scope: Scope, step: str) -> str:
     parts = (scope.tenant, scope.endpoint, scope.key, step)
     material = "".join(f"{len(part)}:{part}" for part in parts)
     return str(uuid.uuid5(_DOWNSTREAM_NAMESPACE, material))
+
+
+KeyFormat = t.Literal["uuid4", "uuid7", "ulid", "token"]
+
+
+def new_key(kind: KeyFormat = "uuid4") -> str:
+    """A fresh key for one logical operation, from the operating system's random source.
+
+    Generate it once, persist it with the pending operation, then send it on every attempt.
+
+    :param kind: ``uuid4`` (default, 122 random bits), ``uuid7`` (time-ordered: 48-bit
+        milliseconds and 74 random bits), ``ulid`` (26 characters, time-ordered, 80 random bits)
+        or ``token`` (128 random bits, 22 base64url characters).
+    """
+    if kind == "uuid4":
+        return str(uuid.uuid4())
+    if kind == "token":
+        return secrets.token_urlsafe(16)
+    if kind == "uuid7":
+        import uuid6  # the standard library has no UUIDv7 before Python 3.14
+
+        return str(uuid6.uuid7())
+    if kind == "ulid":
+        import ulid
+
+        return str(_ulid_generator(ulid).generate())
+    raise ValueError(f"unknown key format {kind!r}; use uuid4, uuid7, ulid or token")
+
+
+@functools.cache
+def _ulid_generator(module: t.Any) -> t.Any:
+    # Pure randomness for every ULID: the default monotonic policy would make two keys of the
+    # same millisecond differ by one, so one key would reveal the next.
+    return module.ULIDGenerator(policy=module.PureRandomPolicy())

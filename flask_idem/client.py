@@ -1,0 +1,269 @@
+"""A retrying HTTP client that keeps one idempotency key per logical operation.
+
+Most idempotency bugs live in clients: a new key per retry, retrying a 422, ignoring
+``Retry-After``, treating a timeout as a failure. This client sends one key on every attempt of
+an operation and retries only what is safe and useful to retry:
+
+==============================================  =============================================
+answer                                          what the client does
+==============================================  =============================================
+network error, timeout                          retry, same key (the server may have executed)
+408, 425, 429, 502, 503, 504                    retry, same key, honouring ``Retry-After``
+409 ``request-in-progress``                     retry after ``Retry-After``, same key
+401, 403                                        raise :class:`AuthenticationFailed`: refresh
+                                                credentials, retry with the same ``.key``
+422                                             raise :class:`KeyReused`: a new operation needs
+                                                a new key (a client bug)
+anything else (2xx, 400, 404, other 409, 500)   final: returned as the result
+==============================================  =============================================
+
+Backoff is exponential with full jitter, bounded by a number of attempts and a total time.
+Install with ``pip install flask-idem[client]`` (httpx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import email.utils
+import random
+import time
+import typing as t
+
+import httpx
+
+from .keys import KeyFormat, new_key
+
+RETRY_STATUSES = frozenset({408, 425, 429, 502, 503, 504})
+IN_PROGRESS = "request-in-progress"
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How long and how often an operation is retried.
+
+    :param max_attempts: attempts in all, the first included.
+    :param total_timeout: seconds from the first attempt after which no retry starts.
+    :param base_delay: the first backoff ceiling in seconds; it doubles per attempt.
+    :param max_delay: the largest backoff ceiling.
+    """
+
+    max_attempts: int = 5
+    total_timeout: float = 60.0
+    base_delay: float = 0.2
+    max_delay: float = 10.0
+
+    def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Full jitter: uniform in [0, min(max_delay, base_delay * 2 ** (attempt - 1))]."""
+        ceiling = min(self.max_delay, self.base_delay * 2 ** max(0, attempt - 1))
+        return (rng or _random).uniform(0.0, ceiling)
+
+
+_random = random.SystemRandom()
+
+
+def parse_retry_after(value: str | None, now: dt.datetime | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` value (delay-seconds or HTTP-date), or None."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return max(0.0, (when - now).total_seconds())
+
+
+@dataclasses.dataclass(frozen=True)
+class IdempotentResult:
+    """The final answer of an operation."""
+
+    response: httpx.Response
+    key: str
+    attempts: int
+
+    @property
+    def replayed(self) -> bool:
+        """True when the server answered from its stored result (an earlier attempt ran)."""
+        return bool(self.response.headers.get("Idempotent-Replayed", "").lower() == "true")
+
+
+class IdempotentRequestError(Exception):
+    """An operation ended without a final answer; ``key`` is the key to retry it with."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str,
+        attempts: int,
+        response: httpx.Response | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.attempts = attempts
+        self.response = response
+
+
+class KeyReused(IdempotentRequestError):
+    """422: the key belongs to a different request. Generate a new key for a new operation."""
+
+
+class AuthenticationFailed(IdempotentRequestError):
+    """401/403: refresh the credentials, then retry the operation with the same ``key``."""
+
+
+class RetriesExhausted(IdempotentRequestError):
+    """No final answer within the policy's attempts or time; retry later with the same key."""
+
+
+def _problem_type(response: httpx.Response) -> str:
+    if not response.headers.get("Content-Type", "").startswith("application/problem+json"):
+        return ""
+    try:
+        return str(response.json().get("type", "")).rsplit("/", 1)[-1]
+    except ValueError:
+        return ""
+
+
+class _Operation:
+    """The retry decisions of one operation, shared by the sync and async clients."""
+
+    def __init__(self, policy: RetryPolicy, key: str, clock: t.Callable[[], float]) -> None:
+        self.policy = policy
+        self.key = key
+        self.clock = clock
+        self.started = clock()
+        self.attempts = 0
+
+    def next_delay(self, outcome: httpx.Response | httpx.TransportError) -> float | None:
+        """Seconds to wait before the next attempt, or None when ``outcome`` is final.
+
+        :raises IdempotentRequestError: the operation cannot end with a final answer.
+        """
+        self.attempts += 1
+        response = outcome if isinstance(outcome, httpx.Response) else None
+        if response is not None:
+            if response.status_code in (401, 403):
+                raise AuthenticationFailed(
+                    f"{response.status_code}: refresh credentials and retry with the same key",
+                    key=self.key,
+                    attempts=self.attempts,
+                    response=response,
+                )
+            if response.status_code == 422:
+                raise KeyReused(
+                    "422: this key was used for a different request; generate a new key for a "
+                    "new operation",
+                    key=self.key,
+                    attempts=self.attempts,
+                    response=response,
+                )
+            retry = response.status_code in RETRY_STATUSES or (
+                response.status_code == 409 and _problem_type(response) == IN_PROGRESS
+            )
+            if not retry:
+                return None
+        delay = self.policy.backoff(self.attempts)
+        if response is not None:
+            retry_after = parse_retry_after(response.headers.get("Retry-After"))
+            if retry_after is not None:
+                delay = retry_after
+        elapsed = self.clock() - self.started
+        if self.attempts >= self.policy.max_attempts or elapsed + delay > self.policy.total_timeout:
+            raise RetriesExhausted(
+                f"no final answer after {self.attempts} attempts; retry later with the same key",
+                key=self.key,
+                attempts=self.attempts,
+                response=response,
+            ) from (outcome if isinstance(outcome, httpx.TransportError) else None)
+        return delay
+
+
+class _Base:
+    def __init__(
+        self,
+        *,
+        policy: RetryPolicy | None = None,
+        header: str = "Idempotency-Key",
+        key_format: KeyFormat = "uuid4",
+    ) -> None:
+        self.policy = policy or RetryPolicy()
+        self.header = header
+        self.key_format = key_format
+
+    def _start(self, key: str | None, kwargs: dict[str, t.Any]) -> _Operation:
+        key = key or new_key(self.key_format)
+        headers = httpx.Headers(kwargs.pop("headers", None))
+        headers[self.header] = key
+        kwargs["headers"] = headers
+        return _Operation(self.policy, key, time.monotonic)
+
+
+class IdempotentClient(_Base):
+    """Synchronous client: ``IdempotentClient(httpx.Client(base_url=...)).post(...)``.
+
+    :param client: the httpx client to send with (its base URL, auth, timeouts apply).
+    """
+
+    def __init__(self, client: httpx.Client, **options: t.Any) -> None:
+        super().__init__(**options)
+        self.client = client
+
+    def request(
+        self, method: str, url: str, *, key: str | None = None, **kwargs: t.Any
+    ) -> IdempotentResult:
+        """Send one logical operation, retrying with the same key until a final answer.
+
+        :param key: the operation's key, persisted by the caller before the first send;
+            generated once when omitted (then read it from the result or the error).
+        """
+        operation = self._start(key, kwargs)
+        while True:
+            outcome: httpx.Response | httpx.TransportError
+            try:
+                outcome = self.client.request(method, url, **kwargs)
+            except httpx.TransportError as exc:
+                outcome = exc
+            delay = operation.next_delay(outcome)
+            if delay is None:
+                assert isinstance(outcome, httpx.Response)
+                return IdempotentResult(outcome, operation.key, operation.attempts)
+            time.sleep(delay)
+
+    def post(self, url: str, **kwargs: t.Any) -> IdempotentResult:
+        return self.request("POST", url, **kwargs)
+
+
+class AsyncIdempotentClient(_Base):
+    """Asynchronous twin of :class:`IdempotentClient` on ``httpx.AsyncClient``."""
+
+    def __init__(self, client: httpx.AsyncClient, **options: t.Any) -> None:
+        super().__init__(**options)
+        self.client = client
+
+    async def request(
+        self, method: str, url: str, *, key: str | None = None, **kwargs: t.Any
+    ) -> IdempotentResult:
+        """See :meth:`IdempotentClient.request`."""
+        operation = self._start(key, kwargs)
+        while True:
+            outcome: httpx.Response | httpx.TransportError
+            try:
+                outcome = await self.client.request(method, url, **kwargs)
+            except httpx.TransportError as exc:
+                outcome = exc
+            delay = operation.next_delay(outcome)
+            if delay is None:
+                assert isinstance(outcome, httpx.Response)
+                return IdempotentResult(outcome, operation.key, operation.attempts)
+            await asyncio.sleep(delay)
+
+    async def post(self, url: str, **kwargs: t.Any) -> IdempotentResult:
+        return await self.request("POST", url, **kwargs)
