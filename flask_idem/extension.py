@@ -23,6 +23,7 @@ import functools
 import hashlib
 import logging
 import time
+import types
 import typing as t
 
 import sqlalchemy as sa
@@ -53,6 +54,9 @@ from .record import ClaimResult, Record, Scope, State, StoredResponse
 from .store import Store, create_store
 from .store.sql import translate_errors
 
+if t.TYPE_CHECKING:
+    from .reconcile import Reconciler, ReconcilerTarget
+
 P = t.ParamSpec("P")
 R = t.TypeVar("R")
 Recovery = t.Literal["fail", "reexecute"]
@@ -62,6 +66,7 @@ EXTENSION_NAME = "idempotency"
 _REQUEST_STATE = "_flask_idem"
 _OPTIONS_ATTRIBUTE = "__idempotency__"
 _WAIT_STEP = 0.05
+IN_FLIGHT_RETRY_AFTER = 1
 
 log = logging.getLogger("flask_idem")
 
@@ -117,6 +122,11 @@ class AppState:
     store: Store
     keeper: LeaseKeeper
 
+    @classmethod
+    def current(cls) -> AppState:
+        """The state of ``current_app`` (for hooks, the CLI, the blueprint and reconcilers)."""
+        return t.cast(AppState, current_app.extensions[EXTENSION_NAME])
+
 
 @dataclasses.dataclass
 class RequestState:
@@ -152,20 +162,34 @@ class Idempotency:
         self._store = store
         self._tenant = tenant
         self._blueprints: dict[str, ViewOptions] = {}
+        self._reconcilers: dict[ReconcilerTarget, Reconciler] = {}
         if app is not None:
             self.init_app(app)
 
     # -- registration -------------------------------------------------------------------
 
     def init_app(self, app: Flask) -> None:
-        """Register the hooks. Register authentication and rate limiting before this call:
-        Flask runs ``before_request`` hooks in registration order, and the claim must come
-        after both (a key is no credential, and a 429 must never be stored)."""
+        """Register the hooks, the ``flask idem`` commands and the inspection blueprint.
+
+        Register authentication and rate limiting before this call: Flask runs
+        ``before_request`` hooks in registration order, and the claim must come after both (a
+        key is no credential, and a 429 must never be stored).
+        """
+        # The CLI and the blueprint build on this module: importing them at the top would be
+        # an import cycle.
+        from .blueprint import create_blueprint
+        from .cli import idem_group
+
         if EXTENSION_NAME in app.extensions:
             raise RuntimeError("flask_idem is already registered on this application")
         settings = Settings.from_mapping(app.config)
         store = self._store or self._build_store(settings)
+        if settings.ensure_partitions:
+            _ensure_partitions(store, settings.partitions_ahead)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, LeaseKeeper(store))
+        app.cli.add_command(idem_group)
+        if settings.blueprint_prefix is not None:
+            app.register_blueprint(create_blueprint(self), url_prefix=settings.blueprint_prefix)
         app.before_request(self._before_request)
         app.after_request(self._after_request)
         app.teardown_request(self._teardown_request)
@@ -189,6 +213,43 @@ class Idempotency:
         """Decorator registering the callable that returns the current request's tenant."""
         self._tenant = function
         return function
+
+    def current_tenant(self) -> str | None:
+        """The current request's tenant as the resolver sees it, or None (anonymous)."""
+        tenant = self._tenant() if self._tenant is not None else None
+        return str(tenant) if tenant else None
+
+    def reconciler(self, endpoint: ReconcilerTarget) -> t.Callable[[Reconciler], Reconciler]:
+        """Decorator registering the function that settles stuck records of an endpoint.
+
+        ``flask idem reconcile`` calls it with each record left in progress past its lease or
+        marked unknown; it looks the business outcome up by key and returns a
+        :class:`~flask_idem.reconcile.Verdict`::
+
+            @idem.reconciler(create_payment)
+            def payment_outcome(record):
+                charge = provider.find(idempotency_key=derive_key(record.scope, "charge"))
+                if charge is None:
+                    return Verdict.not_happened()
+                return Verdict.happened(({"id": charge.id}, 201))
+
+        :param endpoint: the view function, its Flask endpoint name (``"payments.create"``,
+            as for ``url_for``; both cover each protected method of its URL rules), or the
+            endpoint as records spell it (``"POST /v1/payments"``).
+        """
+
+        def register(function: Reconciler) -> Reconciler:
+            if endpoint in self._reconcilers:
+                raise ConfigurationError(f"a reconciler for {endpoint!r} is already registered")
+            self._reconcilers[endpoint] = function
+            return function
+
+        return register
+
+    @property
+    def reconcilers(self) -> t.Mapping[ReconcilerTarget, Reconciler]:
+        """The registered reconcilers, by the target they were registered for."""
+        return types.MappingProxyType(self._reconcilers)
 
     @t.overload
     def idempotent(self, view: t.Callable[P, R]) -> t.Callable[P, R]: ...
@@ -313,13 +374,13 @@ class Idempotency:
         return ViewOptions() if settings.protect_all else None
 
     def _resolve_tenant(self) -> str:
-        tenant = self._tenant() if self._tenant is not None else None
-        if not tenant:
+        tenant = self.current_tenant()
+        if tenant is None:
             log.error("protected request without a tenant: configure Idempotency(tenant=...)")
             raise TenantUnresolved(
                 "The server could not tell whose request this is, so it refuses to run it."
             )
-        return str(tenant)
+        return tenant
 
     def _before_request(self) -> ResponseReturnValue | None:
         app_state = _app_state()
@@ -405,7 +466,9 @@ class Idempotency:
         _emit(signals.conflict, record.scope)
         raise RequestInProgress(
             "A request with this idempotency key is still being processed; retry later.",
-            retry_after=record.retry_after(),
+            # The lease says when the owner counts as gone, not when it will finish: most
+            # requests finish within a second, so that is the useful hint.
+            retry_after=IN_FLIGHT_RETRY_AFTER,
         )
 
     def _after_request(self, response: Response) -> Response:
@@ -444,7 +507,7 @@ class _Replay(Exception):
 
 
 def _app_state() -> AppState:
-    return t.cast(AppState, current_app.extensions[EXTENSION_NAME])
+    return AppState.current()
 
 
 def _request_state() -> RequestState | None:
@@ -497,7 +560,7 @@ def _replay(stored: StoredResponse) -> Response:
     return response
 
 
-def _snapshot(settings: Settings, response: Response) -> StoredResponse | None:
+def response_snapshot(settings: Settings, response: Response) -> StoredResponse | None:
     """The replayable part of a response, or None when it cannot be stored."""
     if response.is_streamed or response.direct_passthrough:
         return None
@@ -522,7 +585,7 @@ def _finish(state: RequestState, response: Response) -> Response:
         _rollback(state)
         _give_back(state, f"status {response.status_code} is never stored")
         return response
-    snapshot = _snapshot(settings, response)
+    snapshot = response_snapshot(settings, response)
     try:
         stored = app_state.store.complete(
             state.scope, state.token, snapshot, connection=state.connection
@@ -648,3 +711,19 @@ def _internal_error(error: InternalServerError) -> ResponseReturnValue:
             else "Nothing was recorded for this key; retry with the same key."
         )
     ).get_response()
+
+
+def _ensure_partitions(store: Store, ahead: int) -> None:
+    """Create missing partitions at start-up (``IDEMPOTENCY_ENSURE_PARTITIONS``).
+
+    The dry run only reads, so workers starting together take DDL locks only when a partition
+    is really missing; then one full :meth:`Store.maintain` runs. A failure is logged, never
+    raised: claims land in the DEFAULT partition meanwhile, and ``flask idem maintain`` (cron)
+    moves them out later. SQLite has no partitions, so this is a read-only check there.
+    """
+    try:
+        if store.maintain(ahead=ahead, dry_run=True).created:
+            report = store.maintain(ahead=ahead)
+            log.info("created partitions at start-up: %s", ", ".join(report.created))
+    except StoreUnavailable:
+        log.error("could not check partitions at start-up; run `flask idem maintain`")

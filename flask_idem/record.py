@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import enum
-import math
 import typing as t
 
 
@@ -74,10 +73,6 @@ class Record:
         if self.lease_expires_at is None:
             return 0.0
         return max(0.0, (self.lease_expires_at - self.now).total_seconds())
-
-    def retry_after(self) -> int:
-        """Whole seconds a client should wait before retrying an in-flight key (at least 1)."""
-        return max(1, math.ceil(self.lease_remaining))
 
 
 @dataclasses.dataclass(frozen=True)
