@@ -7,6 +7,7 @@ PYTEST_ARGS ?=
 # The sample app's embedded database for `make run` and `make migrate` without DATABASE_URL.
 DEV_DATABASE_URL := sqlite:///$(CURDIR)/instance/flask_idem.sqlite3
 PORT ?= 5000
+WITH_DATABASE_URL = DATABASE_URL="$${DATABASE_URL:-$(DEV_DATABASE_URL)}"
 
 .PHONY: install test run migrate pg-start pg-stop lint bench bench-quick clean
 
@@ -18,14 +19,15 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[sample,tests,dev]'
 	touch $(STAMP)
 
+# Every table the sample app needs: the extension's (Alembic) and the app's own.
 migrate: install
 	mkdir -p instance
-	DATABASE_URL="$${DATABASE_URL:-$(DEV_DATABASE_URL)}" $(BIN)/alembic upgrade head
+	$(WITH_DATABASE_URL) $(BIN)/alembic upgrade head
+	$(WITH_DATABASE_URL) $(BIN)/flask --app sample_app init-db
 
-run: install
-	mkdir -p instance
-	DATABASE_URL="$${DATABASE_URL:-$(DEV_DATABASE_URL)}" $(BIN)/alembic upgrade head
-	DATABASE_URL="$${DATABASE_URL:-$(DEV_DATABASE_URL)}" $(BIN)/python -m sample_app --port $(PORT)
+# Prints the URL and three curl commands to try, then serves.
+run: migrate
+	$(WITH_DATABASE_URL) $(BIN)/python -m sample_app --port $(PORT)
 
 # Without DATABASE_URL the test session starts (and always stops) its own cluster under .pg/;
 # with it, the tests run in a fresh database on that server.
@@ -43,6 +45,19 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The A/B bench of issue 6: bare vs protected app under gunicorn on a durable throwaway PostgreSQL
+# (or DATABASE_URL); prints the table and writes bench/results/*.json. BENCH_MODE=growth fills the
+# table to 1, 5 and 10 million records instead; BENCH_ARGS passes options (python -m bench -h).
+BENCH_MODE ?= run
+BENCH_ARGS ?=
+
+bench: install
+	$(BIN)/python -m bench $(BENCH_MODE) $(BENCH_ARGS)
+
+# The same in under a minute: 2 short rounds, 3 storms.
+bench-quick: install
+	$(BIN)/python -m bench run --quick $(BENCH_ARGS)
 
 clean: pg-stop
 	rm -rf $(VENV) .pg instance build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -7,6 +7,7 @@ from .errors import ConfigurationError, IdempotencyError, StoreUnavailable
 from .extension import Idempotency, ViewOptions
 from .keys import derive_key
 from .problem import Problem
+from .reconcile import Settlement, Verdict
 from .record import ClaimResult, MaintenanceReport, Record, Scope, State, StoredResponse
 from .store import Store, create_store
 
@@ -21,10 +22,12 @@ __all__ = [
     "Problem",
     "Record",
     "Scope",
+    "Settlement",
     "State",
     "Store",
     "StoreUnavailable",
     "StoredResponse",
+    "Verdict",
     "ViewOptions",
     "create_store",
     "derive_key",

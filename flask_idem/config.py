@@ -28,6 +28,9 @@ DEFAULTS: dict[str, t.Any] = {
     "IDEMPOTENCY_PROBLEM_BASE": "https://flask-idem.dev/problems/",
     "IDEMPOTENCY_WAIT": 0,
     "IDEMPOTENCY_PARTITIONS_AHEAD": 7,
+    "IDEMPOTENCY_ENSURE_PARTITIONS": False,
+    "IDEMPOTENCY_BLUEPRINT_PREFIX": "/idempotency",
+    "IDEMPOTENCY_INSPECT_BODIES": False,
 }
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an HTTP field name (RFC 9110 token)
@@ -53,6 +56,10 @@ class Settings:
     problem_base: str
     wait: float
     partitions_ahead: int
+    ensure_partitions: bool
+    #: URL prefix of the inspection blueprint, or None when it is switched off.
+    blueprint_prefix: str | None
+    inspect_bodies: bool
 
     @property
     def headers(self) -> tuple[str, ...]:
@@ -127,6 +134,13 @@ class Settings:
         url = value["IDEMPOTENCY_DATABASE_URL"]
         if url is not None and not isinstance(url, str):
             raise ConfigurationError("IDEMPOTENCY_DATABASE_URL must be a database URL string")
+        # None, "" or False switch the inspection blueprint off.
+        prefix = value["IDEMPOTENCY_BLUEPRINT_PREFIX"] or None
+        if prefix is not None and not (isinstance(prefix, str) and prefix.startswith("/")):
+            raise ConfigurationError(
+                "IDEMPOTENCY_BLUEPRINT_PREFIX must be a path starting with '/' (e.g. "
+                f"'/idempotency'), or None to switch the inspection endpoint off; got {prefix!r}"
+            )
         header = names("IDEMPOTENCY_HEADER")
         if len(header) != 1:
             raise ConfigurationError("IDEMPOTENCY_HEADER must be one header name")
@@ -146,4 +160,7 @@ class Settings:
             problem_base=base if base.endswith(("/", ":")) else base + "/",
             wait=number("IDEMPOTENCY_WAIT", minimum=0),
             partitions_ahead=number("IDEMPOTENCY_PARTITIONS_AHEAD", minimum=0, integer=True),
+            ensure_partitions=flag("IDEMPOTENCY_ENSURE_PARTITIONS"),
+            blueprint_prefix=prefix,
+            inspect_bodies=flag("IDEMPOTENCY_INSPECT_BODIES"),
         )

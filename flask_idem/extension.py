@@ -135,6 +135,8 @@ class RequestState:
     scope: Scope | None
     options: ViewOptions | None
     token: str | None = None
+    #: The record this request owns (claimed or taken over).
+    record: Record | None = None
     watch: Watch | None = None
     connection: sa.Connection | None = None
     side_effect: bool = False
@@ -228,7 +230,7 @@ class Idempotency:
 
             @idem.reconciler(create_payment)
             def payment_outcome(record):
-                charge = provider.find(idempotency_key=derive_key(record.scope, "charge"))
+                charge = provider.find(idempotency_key=derive_key(record, "charge"))
                 if charge is None:
                     return Verdict.not_happened()
                 return Verdict.happened(({"id": charge.id}, 201))
@@ -353,9 +355,9 @@ class Idempotency:
     def downstream_key(self, step: str) -> str:
         """A deterministic key for a downstream call (payment provider) of this operation."""
         state = _request_state()
-        if state is None or state.scope is None:
-            raise RuntimeError("downstream_key() needs a request that carries an idempotency key")
-        return derive_key(state.scope, step)
+        if state is None or state.record is None:
+            raise RuntimeError("downstream_key() needs a request that holds an idempotency key")
+        return derive_key(state.record, step)
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -474,6 +476,7 @@ class Idempotency:
     def _after_request(self, response: Response) -> Response:
         state = _request_state()
         if state is None:
+            self._echo_unclaimed(response)
             return response
         if state.scope is not None:
             response.headers[_app_state().settings.header] = state.scope.key
@@ -483,6 +486,19 @@ class Idempotency:
             _commit(state)
             return response
         return _finish(state, response)
+
+    def _echo_unclaimed(self, response: Response) -> None:
+        """Echo the key on a protected endpoint's answers that came before the claim (an
+        authentication or rate-limit hook registered earlier)."""
+        settings = _app_state().settings
+        if self._options_for(settings) is None:
+            return
+        try:
+            key = read_key(request.headers, settings.headers)
+        except InvalidKey:
+            return
+        if key is not None:
+            response.headers[settings.header] = key
 
     def _teardown_request(self, exc: BaseException | None) -> None:
         state = _request_state()
@@ -547,6 +563,7 @@ def _own(state: RequestState, claim: ClaimResult) -> None:
     assert state.scope is not None
     app_state = _app_state()
     state.token = claim.token
+    state.record = claim.record
     state.watch = app_state.keeper.watch(state.scope, claim.token, app_state.settings.lease)
     _emit(signals.claimed, state.scope)
 
@@ -561,8 +578,16 @@ def _replay(stored: StoredResponse) -> Response:
 
 
 def response_snapshot(settings: Settings, response: Response) -> StoredResponse | None:
-    """The replayable part of a response, or None when it cannot be stored."""
-    if response.is_streamed or response.direct_passthrough:
+    """The replayable part of a response, or None when it cannot be stored.
+
+    A streamed body is buffered when it declares a length within the limit: an
+    ``HTTPException`` raised in a view (``abort(404)``, a :class:`Problem`) reaches us as such
+    a response. A stream of unknown length, or a file passed through, is never buffered.
+    """
+    if response.direct_passthrough:
+        return None
+    length = response.content_length
+    if response.is_streamed and (length is None or length > settings.max_body):
         return None
     body = response.get_data()
     if len(body) > settings.max_body:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import hashlib
 import re
@@ -9,7 +10,7 @@ import secrets
 import typing as t
 import uuid
 
-from .record import Scope
+from .record import Record, Scope
 
 #: A valid key: 1 to 255 characters that survive headers, logs and URLs unescaped.
 KEY_PATTERN = re.compile(r"[A-Za-z0-9\-_.:~+/=]{1,255}")
@@ -59,14 +60,18 @@ def key_hash(scope: Scope) -> str:
     return hashlib.sha256(material).hexdigest()[:16]
 
 
-def derive_key(scope: Scope, step: str) -> str:
+def derive_key(record: Record, step: str) -> str:
     """A deterministic key for one downstream call of one operation.
 
-    Every retry of the operation (same tenant, endpoint and key) derives the same key for
-    ``step``, so a payment provider that deduplicates on it charges once however often the
-    operation re-executes; different steps or operations never share a key.
+    Every execution of the operation (the first, and a re-execution after a takeover) derives
+    the same key for ``step``, so a payment provider that deduplicates on it charges once.
+    Different steps, tenants, endpoints, keys, and a key reused after it expired (a new
+    record, so a new ``created_at``) never share a downstream key.
     """
-    parts = (scope.tenant, scope.endpoint, scope.key, step)
+    scope = record.scope
+    # In UTC: database sessions in other time zones must derive the same key.
+    created = record.created_at.astimezone(dt.timezone.utc).isoformat()
+    parts = (scope.tenant, scope.endpoint, scope.key, created, step)
     material = "".join(f"{len(part)}:{part}" for part in parts)
     return str(uuid.uuid5(_DOWNSTREAM_NAMESPACE, material))
 

@@ -12,6 +12,7 @@ import typing as t
 
 from flask import current_app, has_app_context, has_request_context, request
 from werkzeug.exceptions import HTTPException
+from werkzeug.wrappers import Response
 
 from .config import DEFAULTS
 
@@ -68,6 +69,14 @@ class Problem(HTTPException):
 
     def get_headers(self, environ: t.Any = None, scope: t.Any = None) -> list[tuple[str, str]]:
         return [("Content-Type", MEDIA_TYPE), *self.extra_headers]
+
+    def get_response(self, environ: t.Any = None, scope: t.Any = None) -> Response:
+        """The application's response class when there is one (extensions such as
+        Flask-Limiter accept only ``flask.Response``)."""
+        response_class = current_app.response_class if has_app_context() else Response
+        return response_class(
+            self.get_body(environ, scope), self.code, self.get_headers(environ, scope)
+        )
 
 
 def problem_type(name: str) -> str:
@@ -142,3 +151,15 @@ class InternalError(Problem):
     problem = "internal-error"
     code = 500
     title = "Internal Server Error"
+
+
+class AuthenticationRequired(Problem):
+    problem = "authentication-required"
+    code = 401
+    title = "Authentication required"
+
+
+class KeyUnknown(Problem):
+    problem = "idempotency-key-unknown"
+    code = 404
+    title = "Idempotency key unknown"

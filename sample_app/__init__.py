@@ -1,23 +1,49 @@
-"""Placeholder sample app: shows the store answering a claim (the payments API comes next)."""
+"""Sample payments API showing flask_idem under a real server.
+
+``gunicorn 'sample_app:create_app()'`` with ``DATABASE_URL`` set (PostgreSQL or SQLite, after
+``make migrate``); ``make run`` serves it on an embedded SQLite database under ``instance/``.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import os
 
-from flask import Flask, jsonify, request
+from flask import Flask
 
-from flask_idem import Scope, create_store
+from . import provider, ratelimit
+from .auth import authenticate
+from .extensions import idem
+from .models import init_db_command
+from .views import bp
+
+#: ``SAMPLE_*`` settings, read from the environment of the same name.
+SAMPLE_DEFAULTS = {
+    "SAMPLE_RATE_LIMIT": "1000/second",
+    "SAMPLE_PROVIDER_LATENCY_MS": "0",
+    "SAMPLE_PROVIDER_LOG": None,
+}
 
 
 def create_app() -> Flask:
+    """Build the app. Hook order is the point: authentication, then the rate limit, then the
+    idempotency claim (Flask runs ``before_request`` hooks in registration order)."""
     app = Flask(__name__)
-    store = create_store(os.environ["DATABASE_URL"])
+    app.config["IDEMPOTENCY_DATABASE_URL"] = os.environ.get(
+        "DATABASE_URL", f"sqlite:///{os.path.join(app.instance_path, 'flask_idem.sqlite3')}"
+    )
+    app.config.update(
+        {name: os.environ.get(name, value) for name, value in SAMPLE_DEFAULTS.items()}
+    )
+    # FLASK_IDEMPOTENCY_TTL=2 -> IDEMPOTENCY_TTL, and so on.
+    app.config.from_prefixed_env()
+    url = app.config["IDEMPOTENCY_DATABASE_URL"]
+    # Members in the documented order (id first), not sorted.
+    app.json.sort_keys = False  # type: ignore[attr-defined]
 
-    @app.post("/claims/<key>")
-    def claim(key: str):  # type: ignore[no-untyped-def]
-        fingerprint = hashlib.sha256(request.get_data()).digest()
-        result = store.claim(Scope("demo", "claim", key), fingerprint, ttl=86400, lease=30)
-        return jsonify(claimed=result.claimed, state=result.record.state.value)
-
+    app.before_request(authenticate)
+    ratelimit.init_app(app, url)
+    idem.init_app(app)
+    provider.init_app(app, url)
+    app.register_blueprint(bp)
+    app.cli.add_command(init_db_command)
     return app

@@ -12,7 +12,7 @@ import flask
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Idempotency, Scope, State, create_store, signals
+from flask_idem import Idempotency, Problem, Scope, State, create_store, signals
 from flask_idem.store import SQLStore
 
 from .conftest import Counter, count_statements, shift
@@ -446,6 +446,54 @@ def test_unstorable_response_keeps_the_key_taken(
     assert counter.calls == 1
 
 
+def test_raised_problems_and_aborts_are_stored_and_replayed(app_factory: Factory) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/declined")
+    @idem.idempotent
+    def declined() -> t.Any:
+        counter.bump()
+        raise Problem("Card declined.", problem="card-declined", status=402, title="Declined")
+
+    @app.post("/missing")
+    @idem.idempotent
+    def missing() -> t.Any:
+        counter.bump()
+        flask.abort(404)
+
+    client = app.test_client()
+    for path, status in (("/declined", 402), ("/missing", 404)):
+        first = client.post(path, headers={"Idempotency-Key": "k"})
+        replay = client.post(path, headers={"Idempotency-Key": "k"})
+        assert first.status_code == replay.status_code == status
+        assert replay.headers["Idempotent-Replayed"] == "true" and replay.data == first.data
+        assert replay.headers["Content-Type"] == first.headers["Content-Type"]
+    assert counter.calls == 2
+
+
+def test_answers_before_the_claim_echo_the_key(store: SQLStore) -> None:
+    app = flask.Flask("deny")
+
+    @app.before_request
+    def deny() -> t.Any:
+        return Problem("Who are you?", problem="unauthorized", status=401).get_response()
+
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+    ran: list[bool] = []
+
+    @app.post("/payments")
+    @idem.idempotent
+    def pay() -> t.Any:
+        ran.append(True)
+        return "paid", 201
+
+    response = _post(app.test_client(), key='"k-401"')
+    assert response.status_code == 401 and response.headers["Idempotency-Key"] == "k-401"
+    invalid = _post(app.test_client(), key="bad key")
+    assert invalid.status_code == 401 and "Idempotency-Key" not in invalid.headers
+    assert ran == [] and _rows(store) == 0
+
+
 # -- business transaction -------------------------------------------------------------------
 
 
@@ -507,7 +555,9 @@ def test_connection_outside_protection_commits_at_request_end(
 # -- downstream keys, signals, logs ------------------------------------------------------------
 
 
-def test_downstream_key_is_deterministic_per_operation(app_factory: Factory) -> None:
+def test_downstream_key_is_deterministic_per_operation(
+    app_factory: Factory, store: SQLStore
+) -> None:
     app, idem, _ = app_factory()
 
     @app.post("/provider")
@@ -525,7 +575,26 @@ def test_downstream_key_is_deterministic_per_operation(app_factory: Factory) -> 
     assert first["charge"] != other["charge"] != beta["charge"] != first["charge"]
     from flask_idem import derive_key
 
-    assert first["charge"] == derive_key(Scope("alpha", "POST /provider", "k1"), "charge")
+    record = store.get(Scope("alpha", "POST /provider", "k1"))
+    assert record is not None and first["charge"] == derive_key(record, "charge")
+
+
+def test_a_key_reused_after_expiry_gets_new_downstream_keys(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    app, idem, _ = app_factory()
+
+    @app.post("/provider")
+    @idem.idempotent
+    def provider() -> t.Any:
+        return flask.jsonify(charge=idem.downstream_key("charge"))
+
+    client = app.test_client()
+    first = client.post("/provider", headers={"Idempotency-Key": "k1"}).data
+    shift(store, Scope("alpha", "POST /provider", "k1"), 86401)
+    again = client.post("/provider", headers={"Idempotency-Key": "k1"})
+    assert "Idempotent-Replayed" not in again.headers
+    assert again.data != first, "an expired key is a new operation: a new downstream charge"
 
 
 def test_signals_and_logs_never_carry_the_raw_key(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import string
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from werkzeug.datastructures import Headers
 
-from flask_idem import Problem, Scope, derive_key
+from flask_idem import Problem, Record, Scope, State, derive_key
 from flask_idem.keys import KEY_PATTERN, InvalidKey, normalize, read_key
 from flask_idem.problem import KeyReused, RequestInProgress, StoreUnavailableProblem
 
@@ -91,14 +92,34 @@ def test_conflicting_headers_are_rejected_and_equal_ones_accepted() -> None:
     assert read_key(Headers(), NAMES) is None
 
 
+def _record(tenant: str, key: str, created: dt.datetime) -> Record:
+    return Record(
+        scope=Scope(tenant, "POST /v1/payments", key),
+        fingerprint=b"",
+        state=State.IN_PROGRESS,
+        claim_token="t",
+        lease_expires_at=None,
+        response=None,
+        created_at=created,
+        completed_at=None,
+        expires_at=created,
+        now=created,
+    )
+
+
 @given(st.text(ALPHABET, min_size=1), st.text(ALPHABET, min_size=1), st.text(min_size=1))
 @settings(max_examples=100, deadline=None)
 def test_derived_keys_depend_on_every_part(key: str, other: str, step: str) -> None:
-    scope = Scope("alpha", "POST /v1/payments", key)
-    derived = derive_key(scope, step)
-    assert derived == derive_key(scope, step)
+    created = dt.datetime(2026, 11, 30, 12, tzinfo=dt.timezone.utc)
+    record = _record("alpha", key, created)
+    derived = derive_key(record, step)
+    assert derived == derive_key(record, step)
     assert KEY_PATTERN.fullmatch(derived)
-    assert derived != derive_key(Scope("beta", scope.endpoint, key), step)
-    assert derived != derive_key(scope, step + "x")
+    assert derived != derive_key(_record("beta", key, created), step)
+    assert derived != derive_key(record, step + "x")
+    elsewhere = created.astimezone(dt.timezone(dt.timedelta(hours=5)))
+    assert derived == derive_key(_record("alpha", key, elsewhere), step), "same instant"
+    later = created + dt.timedelta(microseconds=1)
+    assert derived != derive_key(_record("alpha", key, later), step), "a reused key is new"
     if other != key:
-        assert derived != derive_key(Scope("alpha", scope.endpoint, other), step)
+        assert derived != derive_key(_record("alpha", other, created), step)

@@ -1,0 +1,327 @@
+"""``flask idem ...``: partition upkeep, stuck requests, inspection, release and reconciliation.
+
+Every command prints for a terminal by default and JSON with ``--json`` (for scripts and
+alerting), and exits non-zero when the store fails. Raw keys are printed only with
+``--show-keys`` (elsewhere a record is named by its key hash, the ``key_hash`` of the logs and
+signals); stored bodies only with ``IDEMPOTENCY_INSPECT_BODIES``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import typing as t
+
+import click
+from flask.cli import AppGroup
+
+from .errors import IdempotencyError
+from .extension import AppState
+from .keys import key_hash
+from .reconcile import Action, Settlement, reconcile
+from .record import MaintenanceReport, Record, Scope, State
+from .schemas import record_schema
+
+P = t.ParamSpec("P")
+
+#: Reconciliations of more records than this show a progress bar (on stderr).
+PROGRESS_AFTER = 20
+
+idem_group = AppGroup(
+    "idem", help="Operate flask_idem: partitions, stuck requests, inspection, reconciliation."
+)
+
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print JSON for scripts instead of text."
+)
+
+
+def _store_errors(command: t.Callable[P, None]) -> t.Callable[P, None]:
+    """Turn store and configuration failures into a one-line error and exit status 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            command(*args, **kwargs)
+        except IdempotencyError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    return wrapper
+
+
+def _print_json(data: t.Any) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
+@idem_group.command()
+@click.option(
+    "--ahead",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Partitions to keep ready after the current one [default: IDEMPOTENCY_PARTITIONS_AHEAD].",
+)
+@click.option("--dry-run", is_flag=True, help="Only print what would be done.")
+@json_option
+@_store_errors
+def maintain(ahead: int | None, dry_run: bool, as_json: bool) -> None:
+    """Create partitions ahead; drop and purge expired records.
+
+    Idempotent and safe to run from cron every few minutes.
+    """
+    state = AppState.current()
+    ahead = state.settings.partitions_ahead if ahead is None else ahead
+    report = state.store.maintain(ahead=ahead, dry_run=dry_run)
+    if as_json:
+        _print_json({"dialect": state.store.dialect, **report.as_dict()})
+    else:
+        click.echo(_maintenance_text(report, partitioned=state.store.dialect == "postgresql"))
+
+
+def _maintenance_text(report: MaintenanceReport, *, partitioned: bool) -> str:
+    verb = (
+        ("would create", "would drop", "would purge")
+        if report.dry_run
+        else ("created", "dropped", "purged")
+    )
+    lines = []
+    if partitioned:
+        for done, names in zip(verb[:2], (report.created, report.dropped), strict=True):
+            listed = f": {', '.join(names)}" if names else ""
+            lines.append(f"{done} {_plural(len(names), 'partition')}{listed}")
+    lines.append(f"{verb[2]} {_plural(report.purged, 'expired row')}")
+    return "\n".join(lines)
+
+
+@idem_group.command()
+@click.option("--show-keys", is_flag=True, help="Print raw keys instead of key hashes.")
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="Records to list."
+)
+@json_option
+@_store_errors
+def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
+    """List stuck requests (lease expired, or outcome unknown).
+
+    Oldest first, across tenants. Retries of these keys get 409 outcome-pending until they
+    are reconciled (flask idem reconcile) or released, except on views with
+    recovery="reexecute", where a retry takes an expired lease over.
+    """
+    state = AppState.current()
+    records = state.store.stuck(limit=limit)
+    if as_json:
+        _print_json(record_schema(bodies=False, keys=show_keys, many=True).dump(records))
+        return
+    if not records:
+        click.echo("no stuck records")
+        return
+    header = ["AGE", "STATE", "LEASE", "TENANT", "ENDPOINT", "KEY" if show_keys else "KEY HASH"]
+    rows = [
+        [
+            _age(record),
+            record.state.value,
+            _lease(record),
+            record.scope.tenant,
+            record.scope.endpoint,
+            record.scope.key if show_keys else key_hash(record.scope),
+        ]
+        for record in records
+    ]
+    click.echo(_table(header, rows))
+    unknown = sum(record.state is State.UNKNOWN for record in records)
+    summary = (
+        f"{_plural(len(records), 'stuck record')}: {len(records) - unknown} in progress past "
+        f"the lease, {unknown} unknown"
+    )
+    if len(records) == limit:
+        summary += f" (the oldest {limit}; there may be more)"
+    click.echo(summary)
+
+
+@idem_group.command()
+@click.argument("key")
+@click.option("--tenant", required=True, help="The tenant the key belongs to.")
+@click.option("--endpoint", help='Only this endpoint, as records spell it: "POST /v1/payments".')
+@json_option
+@_store_errors
+def show(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
+    """Show the records of KEY (state, times, stored status).
+
+    One record per endpoint the tenant used KEY on, with its key hash, fingerprint and lease.
+    Stored bodies and headers only with IDEMPOTENCY_INSPECT_BODIES.
+    """
+    state = AppState.current()
+    records = state.store.find(tenant, key, endpoint)
+    schema = record_schema(bodies=state.settings.inspect_bodies, keys=False, many=True)
+    if as_json:
+        _print_json(schema.dump(records))
+    elif records:
+        click.echo("\n\n".join(_pairs(dumped) for dumped in schema.dump(records)))
+    if not records:
+        raise click.ClickException("no live record of this key for this tenant")
+
+
+@idem_group.command()
+@click.argument("key")
+@click.option("--tenant", required=True, help="The tenant the key belongs to.")
+@click.option("--endpoint", required=True, help='As records spell it: "POST /v1/payments".')
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@json_option
+@_store_errors
+def release(key: str, tenant: str, endpoint: str, yes: bool, as_json: bool) -> None:
+    """Delete the record of KEY, so that a retry executes afresh.
+
+    For records an operator has settled by hand. Prefer flask idem reconcile.
+    """
+    state = AppState.current()
+    scope = Scope(tenant, endpoint, key)
+    record = state.store.get(scope)
+    if record is None:
+        raise click.ClickException("no live record of this key for this tenant and endpoint")
+    if not yes:
+        click.echo(
+            f"{endpoint} for {tenant}, key hash {key_hash(scope)}: {record.state.value}, "
+            f"{_age(record)} old. {_consequence(record)}",
+            err=True,
+        )
+        click.confirm("Release this key?", abort=True, err=True)
+    if not state.store.evict(scope):
+        raise click.ClickException("the record expired or was removed meanwhile")
+    if as_json:
+        released = record_schema(bodies=False, keys=False).dump(record)
+        _print_json({"released": True, "record": released})
+    else:
+        click.echo(f"released {endpoint} for {tenant}, key hash {key_hash(scope)}")
+
+
+def _consequence(record: Record) -> str:
+    """What releasing this record risks, for the confirmation prompt."""
+    if record.state is State.COMPLETED or record.state is State.UNSTORED:
+        return "The operation completed: a retry will execute it a second time."
+    if record.state is State.UNKNOWN or record.lease_expired:
+        return "The operation may have happened: a retry will execute it again."
+    return "Its request is still running: a retry will execute the operation concurrently."
+
+
+@idem_group.command("reconcile")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Stuck records to reconcile in this run, oldest first.",
+)
+@json_option
+@_store_errors
+def reconcile_command(limit: int, as_json: bool) -> None:
+    """Settle stuck records with the registered reconcilers.
+
+    Each record's reconciler says whether its operation happened (the record completes and
+    retries replay it), did not (the key is released) or cannot tell (the record stays).
+    Exits with status 1 when any record stays unknown.
+    """
+    records = AppState.current().store.stuck(limit=limit)
+    if len(records) > PROGRESS_AFTER:
+        with click.progressbar(records, label="reconciling", file=sys.stderr) as progress:
+            settlements = list(reconcile(progress))
+    else:
+        settlements = list(reconcile(records))
+    counts = {action: 0 for action in Action}
+    for settlement in settlements:
+        counts[settlement.action] += 1
+    if as_json:
+        _print_json(
+            {
+                **{action.value: count for action, count in counts.items()},
+                "records": [_settlement_json(settlement) for settlement in settlements],
+            }
+        )
+    else:
+        click.echo(_reconcile_text(settlements, counts))
+    if counts[Action.UNKNOWN]:
+        click.get_current_context().exit(1)
+
+
+def _settlement_json(settlement: Settlement) -> dict[str, t.Any]:
+    dumped = record_schema(bodies=False, keys=False).dump(settlement.record)
+    return {**dumped, "action": settlement.action.value, "reason": settlement.reason}
+
+
+def _reconcile_text(settlements: list[Settlement], counts: dict[Action, int]) -> str:
+    summary = (
+        f"reconciled {_plural(len(settlements), 'stuck record')}: "
+        f"{counts[Action.COMPLETED]} completed, {counts[Action.RELEASED]} released, "
+        f"{counts[Action.UNKNOWN]} still unknown"
+    )
+    if counts[Action.SKIPPED]:
+        summary += f", {counts[Action.SKIPPED]} settled meanwhile"
+    unknown = [s for s in settlements if s.action is Action.UNKNOWN]
+    if not unknown:
+        return summary
+    rows = [
+        [
+            _age(s.record),
+            s.record.scope.tenant,
+            s.record.scope.endpoint,
+            key_hash(s.record.scope),
+            s.reason,
+        ]
+        for s in unknown
+    ]
+    table = _table(["AGE", "TENANT", "ENDPOINT", "KEY HASH", "WHY"], rows)
+    return f"{summary}\n\nstill unknown:\n{table}"
+
+
+# -- terminal formatting --------------------------------------------------------------------
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _duration(seconds: float) -> str:
+    """A short human duration: 42s, 12m05s, 3h02m, 2d04h."""
+    seconds = int(max(0.0, seconds))
+    if seconds >= 86400:
+        return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def _age(record: Record) -> str:
+    return _duration((record.now - record.created_at).total_seconds())
+
+
+def _lease(record: Record) -> str:
+    if record.lease_expires_at is None:
+        return "-"
+    return f"expired {_duration((record.now - record.lease_expires_at).total_seconds())} ago"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    )
+
+
+def _pairs(dumped: dict[str, t.Any]) -> str:
+    """One record as aligned ``name  value`` lines."""
+    width = max(len(name) for name in dumped)
+
+    def text(value: t.Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, list):
+            return "; ".join(": ".join(map(str, item)) for item in value)
+        return str(value)
+
+    return "\n".join(
+        f"{name.replace('_', ' ').ljust(width)}  {text(value)}" for name, value in dumped.items()
+    )

@@ -1,0 +1,10 @@
+"""The idempotency extension instance, shared by the app factory and the views' decorators."""
+
+from __future__ import annotations
+
+from flask_idem import Idempotency
+
+from .auth import current_tenant
+
+#: Keys are scoped by the authenticated tenant: no tenant ever sees another's stored response.
+idem = Idempotency(tenant=current_tenant)

@@ -1,0 +1,69 @@
+"""The sample app's own problem documents, built with the extension's :class:`Problem`.
+
+Each is raised (or returned) from a hook or a view; the extension renders it as
+``application/problem+json`` and, in a protected view, stores and replays it like any result.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+from flask_idem import Problem
+
+
+def unauthorized() -> Problem:
+    return Problem(
+        "Send a valid API key as 'Authorization: Bearer <api key>'.",
+        problem="unauthorized",
+        status=401,
+        title="Unauthorized",
+        headers=[("WWW-Authenticate", "Bearer")],
+    )
+
+
+def rate_limited(retry_after: int) -> Problem:
+    return Problem(
+        "This API key sent too many requests; retry after the number of seconds in Retry-After.",
+        problem="rate-limited",
+        status=429,
+        title="Too many requests",
+        headers=[("Retry-After", str(retry_after))],
+    )
+
+
+def invalid_request(errors: t.Mapping[str, t.Any]) -> Problem:
+    return Problem(
+        "The request body is invalid; see 'errors' for the messages of each field.",
+        problem="invalid-request",
+        status=400,
+        title="Invalid request",
+        extensions={"errors": errors},
+    )
+
+
+def payment_not_found(payment_id: str) -> Problem:
+    return Problem(
+        f"No payment {payment_id!r} exists for this API key.",
+        problem="payment-not-found",
+        status=404,
+        title="Payment not found",
+    )
+
+
+def refund_exceeds_payment(remaining: int) -> Problem:
+    return Problem(
+        f"The refund exceeds what is left to refund on this payment ({remaining}).",
+        problem="refund-exceeds-payment",
+        status=400,
+        title="Refund exceeds payment",
+        extensions={"errors": {"amount": [f"Must be at most {remaining}."]}},
+    )
+
+
+def card_declined() -> Problem:
+    return Problem(
+        "The payment provider declined the card; no money was taken.",
+        problem="card-declined",
+        status=402,
+        title="Card declined",
+    )

@@ -1,0 +1,89 @@
+"""A fake payment provider: an "external service" that deduplicates on the caller's key.
+
+It stands for a real provider's API (Stripe, Adyen...): it has its own ledger
+(``provider_charges``) written through its own engine and transaction, so its charge is
+committed whatever happens to the sample app's request afterwards. Called twice with the same
+downstream key it charges once and answers the first charge again, which is what makes
+``recovery="reexecute"`` safe for ``POST /v1/payments``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+import typing as t
+
+import sqlalchemy as sa
+from flask import Flask, current_app
+
+from flask_idem.store import create_engine
+
+from .models import dialect_insert, provider_charges
+
+EXTENSION_NAME = "sample_provider"
+#: The customer whose card the provider always declines (the 402 example).
+DECLINED_CUSTOMER = "cus_declined"
+
+
+@dataclasses.dataclass(frozen=True)
+class Charge:
+    id: str
+    status: t.Literal["succeeded", "declined"]
+
+
+class Provider:
+    """The provider's client and server in one object.
+
+    :param latency: seconds the provider takes to answer a charge (after recording it, so a
+        worker killed meanwhile leaves a charge the app has not recorded yet).
+    :param log_path: a file that gets one line per charge attempt, written before the provider
+        touches its database, so tests can count attempts even when the database is down.
+    """
+
+    def __init__(self, url: str, *, latency: float = 0.0, log_path: str | None = None) -> None:
+        self.engine = create_engine(url)
+        self.latency = latency
+        self.log_path = log_path
+
+    def charge(
+        self, *, tenant: str, downstream_key: str, amount: int, currency: str, customer: str
+    ) -> Charge:
+        """Charge once per ``(tenant, downstream_key)``; a repeated call returns that charge."""
+        if self.log_path:
+            with open(self.log_path, "a", encoding="utf-8") as log:
+                log.write(f"{tenant} {downstream_key}\n")
+        status = "declined" if customer == DECLINED_CUSTOMER else "succeeded"
+        with self.engine.begin() as conn:
+            insert = dialect_insert(conn, provider_charges).values(
+                id=f"ch_{secrets.token_hex(12)}",
+                tenant=tenant,
+                downstream_key=downstream_key,
+                amount=amount,
+                currency=currency,
+                customer=customer,
+                status=status,
+                created=int(time.time()),
+            )
+            conn.execute(insert.on_conflict_do_nothing())
+            row = conn.execute(
+                sa.select(provider_charges.c.id, provider_charges.c.status).where(
+                    provider_charges.c.tenant == tenant,
+                    provider_charges.c.downstream_key == downstream_key,
+                )
+            ).one()
+        if self.latency:
+            time.sleep(self.latency)
+        return Charge(row.id, row.status)
+
+
+def init_app(app: Flask, url: str) -> None:
+    app.extensions[EXTENSION_NAME] = Provider(
+        url,
+        latency=int(app.config["SAMPLE_PROVIDER_LATENCY_MS"]) / 1000,
+        log_path=app.config["SAMPLE_PROVIDER_LOG"],
+    )
+
+
+def current_provider() -> Provider:
+    return t.cast(Provider, current_app.extensions[EXTENSION_NAME])

@@ -1,0 +1,146 @@
+"""The payments API: two idempotent POST endpoints and two reads.
+
+Problems raised in the protected views (card declined, validation errors) are answers like any
+other: flask_idem stores them and replays them to retries.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import typing as t
+
+import sqlalchemy as sa
+from flask import Blueprint, jsonify
+from werkzeug.wrappers import Response
+
+from . import problems
+from .auth import tenant
+from .extensions import idem
+from .models import payments, refunds
+from .provider import current_provider
+from .schemas import PaymentSchema, RefundSchema, load_body
+
+#: The customer whose payment makes the handler fail before it calls the provider.
+CRASH_CUSTOMER = "cus_crash"
+
+bp = Blueprint("payments", __name__, url_prefix="/v1")
+
+
+def _payment(row: t.Any) -> dict[str, t.Any]:
+    return {
+        "id": row.id,
+        "object": "payment",
+        "amount": row.amount,
+        "currency": row.currency,
+        "customer": row.customer,
+        "description": row.description,
+        "status": row.status,
+        "provider_charge_id": row.provider_charge_id,
+        "created": row.created,
+    }
+
+
+# ``reexecute``: if a worker dies mid-request, a retry after the lease expired runs the view
+# again. Safe because the provider deduplicates on the downstream key, and the payment row
+# commits only together with the stored response.
+@bp.post("/payments")
+@idem.idempotent(exclude=["client_ts"], recovery="reexecute")
+def create_payment() -> Response:
+    body = load_body(PaymentSchema())
+    if body["customer"] == CRASH_CUSTOMER:
+        raise RuntimeError("simulated failure before the provider call")
+    charge = current_provider().charge(
+        tenant=tenant(),
+        downstream_key=idem.downstream_key("charge"),
+        amount=body["amount"],
+        currency=body["currency"],
+        customer=body["customer"],
+    )
+    if charge.status == "declined":
+        raise problems.card_declined()
+    # Money has moved: from here a crash must leave the key "unknown", never free to re-run.
+    idem.side_effect()
+    values = {
+        "id": f"pay_{secrets.token_hex(12)}",
+        "tenant": tenant(),
+        "amount": body["amount"],
+        "currency": body["currency"],
+        "customer": body["customer"],
+        "description": body.get("description"),
+        "metadata": body.get("metadata"),
+        "status": "succeeded",
+        "provider_charge_id": charge.id,
+        "created": int(time.time()),
+    }
+    # Committed by the extension in the same transaction as the stored response.
+    row = idem.connection().execute(payments.insert().values(values).returning(payments)).one()
+    response = jsonify(_payment(row))
+    response.status_code = 201
+    response.headers["Location"] = f"/v1/payments/{row.id}"
+    # Per-request header: the extension never stores it, so a replay does not set it again.
+    response.set_cookie("last_payment", row.id, httponly=True, path="/")
+    return response
+
+
+@bp.get("/payments")
+def list_payments() -> Response:
+    rows = idem.connection().execute(
+        sa.select(payments).where(payments.c.tenant == tenant()).order_by(payments.c.seq.desc())
+    )
+    return jsonify({"object": "list", "data": [_payment(row) for row in rows]})
+
+
+@bp.get("/payments/<payment_id>")
+def get_payment(payment_id: str) -> Response:
+    row = (
+        idem.connection()
+        .execute(
+            sa.select(payments).where(payments.c.id == payment_id, payments.c.tenant == tenant())
+        )
+        .first()
+    )
+    if row is None:
+        raise problems.payment_not_found(payment_id)
+    return jsonify(_payment(row))
+
+
+# Every write of this view is in the transaction committed with the stored response, so a
+# worker that died mid-request left nothing behind and re-running it is safe.
+@bp.post("/payments/<payment_id>/refunds")
+@idem.idempotent(recovery="reexecute")
+def create_refund(payment_id: str) -> Response:
+    body = load_body(RefundSchema())
+    conn = idem.connection()
+    # The row lock serialises refunds of one payment, so two of them (with different keys)
+    # cannot both fit in the same remainder.
+    payment = conn.execute(
+        sa.select(payments.c.amount)
+        .where(payments.c.id == payment_id, payments.c.tenant == tenant())
+        .with_for_update()
+    ).first()
+    if payment is None:
+        raise problems.payment_not_found(payment_id)
+    refunded = conn.execute(
+        sa.select(sa.func.coalesce(sa.func.sum(refunds.c.amount), 0)).where(
+            refunds.c.payment_id == payment_id
+        )
+    ).scalar_one()
+    remaining = payment.amount - refunded
+    if body["amount"] > remaining:
+        raise problems.refund_exceeds_payment(remaining)
+    refund_id = f"re_{secrets.token_hex(12)}"
+    conn.execute(
+        refunds.insert().values(
+            id=refund_id,
+            tenant=tenant(),
+            payment_id=payment_id,
+            amount=body["amount"],
+            created=int(time.time()),
+        )
+    )
+    response = jsonify(
+        {"id": refund_id, "object": "refund", "payment": payment_id, "amount": body["amount"]}
+    )
+    response.status_code = 201
+    return response

@@ -1,0 +1,388 @@
+"""``flask idem maintain|stuck|show|release`` and start-up partition upkeep, on both databases.
+
+``flask idem reconcile`` is covered with the reconcilers in ``test_reconcile.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import typing as t
+
+import flask
+import pytest
+import sqlalchemy as sa
+from click.testing import Result
+
+from flask_idem import Idempotency, Scope, State, StoredResponse, create_store
+from flask_idem.keys import key_hash
+from flask_idem.store import SQLStore
+
+from .conftest import Counter, shift
+
+Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
+FP = hashlib.sha256(b"request").digest()
+PAYMENTS = "POST /payments"
+
+
+def idem(app: flask.Flask, *args: str, input: str | None = None) -> Result:
+    """Run ``flask idem ARGS`` against ``app``."""
+    return app.test_cli_runner().invoke(args=["idem", *args], input=input)
+
+
+def _pay(app: flask.Flask, key: str, tenant: str = "alpha") -> flask.Response:
+    response = app.test_client().post(
+        "/payments", json={"amount": 4200}, headers={"Idempotency-Key": key, "X-Tenant": tenant}
+    )
+    assert response.status_code == 201, response.data
+    return response
+
+
+def _sql(store: SQLStore, statement: str) -> list[t.Any]:
+    with store.engine.begin() as conn:
+        result = conn.execute(sa.text(statement))
+        return list(result.scalars()) if result.returns_rows else []
+
+
+@pytest.fixture
+def restore_partitions(store: SQLStore) -> t.Iterator[None]:
+    """Maintenance drops yesterday's empty partition: give later tests a fresh migration's."""
+    yield
+    if store.dialect == "postgresql":
+        _sql(store, "SELECT idempotency_create_partitions(7, false, 1)")
+
+
+def _partition(store: SQLStore, days_ahead: int) -> str:
+    day = _sql(
+        store, f"SELECT to_char((now() AT TIME ZONE 'UTC')::date + {days_ahead}, 'YYYYMMDD')"
+    )
+    return f"idempotency_keys_p{day[0]}"
+
+
+def _partitions(store: SQLStore) -> set[str]:
+    names = _sql(
+        store,
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = 'idempotency_keys'::regclass",
+    )
+    return set(names)
+
+
+# -- the group -------------------------------------------------------------------------------
+
+
+def test_init_app_registers_the_command_group(app_factory: Factory) -> None:
+    app, _, _ = app_factory()
+    result = idem(app, "--help")
+    assert result.exit_code == 0, result.output
+    for command in ("maintain", "stuck", "show", "release", "reconcile"):
+        assert command in result.stdout
+    for command in ("maintain", "stuck", "show", "release", "reconcile"):
+        assert "--json" in idem(app, command, "--help").stdout
+
+
+def test_store_failures_exit_non_zero_with_one_line(db_url: str) -> None:
+    broken = create_store(
+        "sqlite:////nonexistent-dir/for/sure/idem.sqlite3"
+        if db_url.startswith("sqlite")
+        else "postgresql://nobody@127.0.0.1:1/none"
+    )
+    app = flask.Flask("broken")
+    Idempotency(app, store=broken, tenant=lambda: "alpha")
+    for args in (["maintain"], ["stuck"], ["show", "k", "--tenant", "t"], ["reconcile"]):
+        result = idem(app, *args)
+        assert result.exit_code == 1, (args, result.output)
+        assert "Error: idempotency store failed" in result.stderr
+        assert "Traceback" not in result.output
+    broken.engine.dispose()
+
+
+# -- maintain --------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("restore_partitions")
+def test_maintain_creates_missing_partitions_idempotently(store: SQLStore) -> None:
+    app = flask.Flask("maintain")
+    Idempotency(app, store=store, tenant=lambda: "alpha")
+    if store.dialect == "sqlite":
+        # One plain table: nothing to create, and the output says only what applies.
+        assert idem(app, "maintain").stdout == "purged 0 expired rows\n"
+        return
+    missing = _partition(store, 3)
+    _sql(store, f"DROP TABLE {missing}")
+
+    dry = idem(app, "maintain", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert f"would create 1 partition: {missing}\n" in dry.stdout
+    assert missing not in _partitions(store), "a dry run changes nothing"
+
+    done = idem(app, "maintain")
+    assert f"created 1 partition: {missing}\n" in done.stdout
+    assert "purged 0 expired rows" in done.stdout
+    assert missing in _partitions(store)
+
+    again = json.loads(idem(app, "maintain", "--json").stdout)
+    assert again == {
+        "dialect": "postgresql",
+        "created": [],
+        "dropped": [],
+        "purged": 0,
+        "dry_run": False,
+    }
+
+
+@pytest.mark.usefixtures("restore_partitions")
+def test_maintain_removes_expired_records(store: SQLStore) -> None:
+    app = flask.Flask("maintain")
+    Idempotency(app, store=store, tenant=lambda: "alpha")
+    expired = Scope("alpha", PAYMENTS, "old")
+    store.claim(expired, FP, ttl=60, lease=30)
+    shift(store, expired, 61)
+    if store.dialect == "postgresql":
+        # Two days back, in a partition of its own: the whole partition goes, no row delete.
+        _sql(store, "SELECT idempotency_create_partitions(0, false, 2)")
+        shift(store, expired, 2 * 86400)
+        gone = _partition(store, -2)
+        report = json.loads(idem(app, "maintain", "--dry-run", "--json").stdout)
+        assert gone in report["dropped"] and report["dry_run"]
+        assert gone in idem(app, "maintain").stdout
+        assert gone not in _partitions(store)
+    else:
+        dry = idem(app, "maintain", "--dry-run", "--json")
+        assert json.loads(dry.stdout) == {
+            "dialect": "sqlite",
+            "created": [],
+            "dropped": [],
+            "purged": 1,
+            "dry_run": True,
+        }
+        assert idem(app, "maintain", "--ahead", "2").stdout == "purged 1 expired row\n"
+    assert store.find("alpha", "old") == []
+    assert store.get(expired) is None
+
+
+@pytest.mark.usefixtures("restore_partitions")
+def test_init_app_creates_missing_partitions_when_configured(store: SQLStore) -> None:
+    if store.dialect == "sqlite":
+        app = flask.Flask("startup")
+        app.config["IDEMPOTENCY_ENSURE_PARTITIONS"] = True
+        Idempotency(app, store=store, tenant=lambda: "alpha")  # a read-only check: no error
+        return
+    missing = _partition(store, 2)
+    _sql(store, f"DROP TABLE {missing}")
+    Idempotency(flask.Flask("off"), store=store, tenant=lambda: "alpha")
+    assert missing not in _partitions(store), "off by default"
+
+    app = flask.Flask("startup")
+    app.config["IDEMPOTENCY_ENSURE_PARTITIONS"] = True
+    Idempotency(app, store=store, tenant=lambda: "alpha")
+    assert missing in _partitions(store)
+
+
+def test_start_up_check_never_stops_the_app(caplog: pytest.LogCaptureFixture) -> None:
+    broken = create_store("postgresql://nobody@127.0.0.1:1/none")
+    app = flask.Flask("startup")
+    app.config["IDEMPOTENCY_ENSURE_PARTITIONS"] = True
+    with caplog.at_level(logging.ERROR, logger="flask_idem"):
+        Idempotency(app, store=broken, tenant=lambda: "alpha")
+    assert "flask idem maintain" in caplog.text
+    assert "idempotency" in app.extensions
+    broken.engine.dispose()
+
+
+# -- stuck -----------------------------------------------------------------------------------
+
+
+def _stuck_records(store: SQLStore) -> tuple[Scope, Scope]:
+    """A dead request (lease expired) and an older unknown outcome, plus two healthy records."""
+    dead, unknown = Scope("alpha", PAYMENTS, "dead-key"), Scope("beta", PAYMENTS, "unk-key")
+    store.claim(dead, FP, ttl=3600, lease=30)
+    shift(store, dead, 95, "lease_expires_at")
+    store.mark_unknown(unknown, store.claim(unknown, FP, ttl=3600, lease=30).token)
+    shift(store, unknown, 600, "created_at")
+    store.claim(Scope("alpha", PAYMENTS, "alive-key"), FP, ttl=3600, lease=30)
+    done = Scope("alpha", PAYMENTS, "done-key")
+    store.complete(done, store.claim(done, FP, ttl=3600, lease=30).token, None)
+    return dead, unknown
+
+
+def test_stuck_lists_oldest_first_with_key_hashes(store: SQLStore) -> None:
+    app = flask.Flask("stuck")
+    Idempotency(app, store=store, tenant=lambda: "alpha")
+    assert idem(app, "stuck").stdout == "no stuck records\n"
+    dead, unknown = _stuck_records(store)
+
+    result = idem(app, "stuck")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["AGE", "STATE", "LEASE", "TENANT", "ENDPOINT", "KEY", "HASH"]
+    assert lines[1].split() == ["10m00s", "unknown", "-", "beta", "POST", "/payments"] + [
+        key_hash(unknown)
+    ]
+    assert lines[2].split()[1:] == [
+        "in_progress",
+        "expired",
+        "1m05s",
+        "ago",
+        "alpha",
+        "POST",
+        "/payments",
+        key_hash(dead),
+    ]
+    assert lines[3] == "2 stuck records: 1 in progress past the lease, 1 unknown"
+    assert "-key" not in result.stdout, "raw keys only with --show-keys"
+
+    shown = idem(app, "stuck", "--show-keys", "--limit", "1").stdout
+    assert "unk-key" in shown and "dead-key" not in shown
+    assert "1 stuck record: 0 in progress past the lease, 1 unknown" in shown
+    assert "(the oldest 1; there may be more)" in shown
+
+
+def test_stuck_json_for_scripts(store: SQLStore) -> None:
+    app = flask.Flask("stuck")
+    Idempotency(app, store=store, tenant=lambda: "alpha")
+    dead, unknown = _stuck_records(store)
+    listed = json.loads(idem(app, "stuck", "--json").stdout)
+    assert [item["key_hash"] for item in listed] == [key_hash(unknown), key_hash(dead)]
+    first = listed[0]
+    assert first["state"] == "unknown" and first["tenant"] == "beta"
+    assert first["endpoint"] == PAYMENTS and 599 <= first["age_seconds"] <= 610
+    assert first["replays"] is False and first["status"] is None
+    assert listed[1]["lease_expired"] is True
+    assert "key" not in first and "body" not in first
+    with_keys = json.loads(idem(app, "stuck", "--json", "--show-keys").stdout)
+    assert [item["key"] for item in with_keys] == ["unk-key", "dead-key"]
+
+
+# -- show ------------------------------------------------------------------------------------
+
+
+def _value(text: str, name: str) -> str:
+    """The value printed for ``name`` in ``flask idem show`` output."""
+    found = re.search(rf"^{name}  +(.*)$", text, re.MULTILINE)
+    assert found is not None, text
+    return found.group(1)
+
+
+def test_show_prints_state_timestamps_fingerprint_and_status(app_factory: Factory) -> None:
+    app, _, _ = app_factory()
+    _pay(app, "show-key")
+    result = idem(app, "show", "show-key", "--tenant", "alpha")
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert _value(text, "endpoint") == PAYMENTS
+    assert _value(text, "state") == "completed"
+    assert _value(text, "status") == "201"
+    assert _value(text, "replays") == "yes"
+    assert _value(text, "tenant") == "alpha"
+    assert _value(text, "key hash") == key_hash(Scope("alpha", PAYMENTS, "show-key"))
+    assert "pay_1" not in text, "stored bodies and headers only when configured"
+    assert "show-key" not in text
+    record = json.loads(idem(app, "show", "show-key", "--tenant", "alpha", "--json").stdout)[0]
+    stored = app.extensions["idempotency"].store.get(Scope("alpha", PAYMENTS, "show-key"))
+    assert record["fingerprint"] == stored.fingerprint.hex()
+    assert record["first_seen"] == stored.created_at.isoformat()
+    assert record["completed_at"] == stored.completed_at.isoformat()
+    assert record["expires_at"] == stored.expires_at.isoformat()
+    assert record["status"] == 201 and record["replays"] is True
+    assert "body" not in record
+
+
+def test_show_filters_by_endpoint_and_tenant(app_factory: Factory) -> None:
+    app, _, _ = app_factory()
+    _pay(app, "shared")
+    assert (
+        app.test_client().post("/status/200", headers={"Idempotency-Key": "shared"}).status_code
+        == 200
+    )
+    both = json.loads(idem(app, "show", "shared", "--tenant", "alpha", "--json").stdout)
+    assert [item["endpoint"] for item in both] == [PAYMENTS, "POST /status/<int:code>"]
+    one = idem(app, "show", "shared", "--tenant", "alpha", "--endpoint", PAYMENTS, "--json")
+    assert [item["endpoint"] for item in json.loads(one.stdout)] == [PAYMENTS]
+
+    other = idem(app, "show", "shared", "--tenant", "beta")
+    assert other.exit_code == 1
+    assert other.stdout == ""
+    assert "no live record of this key for this tenant" in other.stderr
+    assert json.loads(idem(app, "show", "nope", "--tenant", "alpha", "--json").stdout) == []
+
+
+def test_show_prints_bodies_only_when_configured(app_factory: Factory) -> None:
+    app, _, _ = app_factory(IDEMPOTENCY_INSPECT_BODIES=True)
+    _pay(app, "body-key")
+    record = json.loads(idem(app, "show", "body-key", "--tenant", "alpha", "--json").stdout)[0]
+    assert json.loads(record["body"]) == {"id": "pay_1", "amount": 4200}
+    assert record["body_encoding"] == "utf-8"
+    assert ["Location", "/payments/pay_1"] in record["headers"]
+    assert "Location: /payments/pay_1" in idem(app, "show", "body-key", "--tenant", "alpha").stdout
+
+
+# -- release ---------------------------------------------------------------------------------
+
+
+def test_release_asks_first_then_frees_the_key(app_factory: Factory) -> None:
+    app, _, counter = app_factory()
+    _pay(app, "rel-key")
+    args = ("release", "rel-key", "--tenant", "alpha", "--endpoint", PAYMENTS)
+
+    declined = idem(app, *args, input="n\n")
+    assert declined.exit_code == 1
+    assert "The operation completed: a retry will execute it a second time." in declined.stderr
+    assert "Release this key? [y/N]" in declined.stderr
+    assert declined.stdout == "", "the prompt goes to stderr"
+    assert "Idempotent-Replayed" in _pay(app, "rel-key").headers, "nothing released"
+
+    accepted = idem(app, *args, input="y\n")
+    assert accepted.exit_code == 0, accepted.output
+    scope = Scope("alpha", PAYMENTS, "rel-key")
+    assert accepted.stdout == f"released POST /payments for alpha, key hash {key_hash(scope)}\n"
+    assert "Idempotent-Replayed" not in _pay(app, "rel-key").headers
+    assert counter.calls == 2, "the released key executed afresh"
+
+
+def test_release_with_yes_and_json(store: SQLStore) -> None:
+    app = flask.Flask("release")
+    Idempotency(app, store=store, tenant=lambda: "alpha")
+    scope = Scope("alpha", PAYMENTS, "unk")
+    store.mark_unknown(scope, store.claim(scope, FP, ttl=60, lease=30).token)
+    args = ["release", "unk", "--tenant", "alpha", "--endpoint", PAYMENTS]
+
+    warned = idem(app, *args, input="n\n")
+    assert "The operation may have happened: a retry will execute it again." in warned.stderr
+
+    result = idem(app, *args, "--yes", "--json")
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["released"] is True
+    assert answer["record"]["state"] == State.UNKNOWN.value
+    assert answer["record"]["key_hash"] == key_hash(scope)
+    assert store.get(scope) is None
+
+    missing = idem(app, *args, "--yes")
+    assert missing.exit_code == 1
+    assert "no live record of this key for this tenant and endpoint" in missing.stderr
+
+
+def test_release_warns_about_a_running_request(store: SQLStore) -> None:
+    app = flask.Flask("release")
+    Idempotency(app, store=store, tenant=lambda: "alpha")
+    scope = Scope("alpha", PAYMENTS, "running")
+    store.claim(scope, FP, ttl=60, lease=30)
+    result = idem(
+        app, "release", "running", "--tenant", "alpha", "--endpoint", PAYMENTS, input="n\n"
+    )
+    assert "Its request is still running" in result.stderr
+    assert store.get(scope) is not None
+
+
+def test_release_is_scoped_by_tenant(store: SQLStore) -> None:
+    app = flask.Flask("release")
+    Idempotency(app, store=store, tenant=lambda: "alpha")
+    mine = Scope("alpha", PAYMENTS, "k")
+    token = store.claim(mine, FP, ttl=60, lease=30).token
+    store.complete(mine, token, StoredResponse(201, (), b"{}"))
+    result = idem(app, "release", "k", "--tenant", "beta", "--endpoint", PAYMENTS, "--yes")
+    assert result.exit_code == 1
+    assert store.get(mine) is not None
