@@ -1,0 +1,293 @@
+"""Turn a results document into the summary, the target verdicts, a table and a JSON file.
+
+Everything here works on the plain JSON document, so ``python -m bench report FILE`` re-prints
+any earlier run. Ratios are computed per round (protected / bare, same scenario and
+concurrency, measured back to back) and summarised by their median and range, so one noisy
+round cannot make the headline.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import statistics
+import typing as t
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SCENARIO_NAMES = {"S1": "S1 new key", "S2": "S2 replay", "S3": "S3 storm"}
+METRICS = (
+    "rps",
+    "p50",
+    "p95",
+    "p99",
+    "statements",
+    "xact_commits",
+    "durable_commits",
+    "app_cpu_ms",
+    "db_cpu_ms",
+    "client_cpu_ms",
+)
+#: The concurrency the targets of issue 6 are stated at.
+TARGET_CONCURRENCY = 8
+
+Document = dict[str, t.Any]
+
+
+def _median(values: t.Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize(document: Document) -> list[dict[str, t.Any]]:
+    """One row per (scenario, concurrency, app): medians over rounds, plus the per-round
+    ratios to bare on the protected rows."""
+    runs = document["runs"]
+    keys = sorted({(r["scenario"], r["concurrency"], r["app"]) for r in runs})
+    rows = []
+    for scenario, concurrency, app in keys:
+        mine = [
+            r
+            for r in runs
+            if r["scenario"] == scenario and r["concurrency"] == concurrency and r["app"] == app
+        ]
+        row: dict[str, t.Any] = {
+            "scenario": scenario,
+            "concurrency": concurrency,
+            "app": app,
+            "rounds": len(mine),
+            "requests": sum(r["requests"] for r in mine),
+            "errors": sum(r["errors"] for r in mine),
+            "statuses": _merge([r["statuses"] for r in mine]),
+        }
+        for metric in METRICS:
+            row[metric] = _median(r.get(metric) for r in mine)
+        if app != "bare":
+            bare = {
+                r["round"]: r
+                for r in runs
+                if r["scenario"] == scenario
+                and r["concurrency"] == concurrency
+                and r["app"] == "bare"
+            }
+            paired = [(r, bare[r["round"]]) for r in mine if r["round"] in bare]
+            row["rps_ratio"] = _spread([r["rps"] / b["rps"] for r, b in paired if b["rps"]])
+            row["p99_ratio"] = _spread([r["p99"] / b["p99"] for r, b in paired if b["p99"]])
+        rows.append(row)
+    return rows
+
+
+def _spread(values: list[float]) -> dict[str, float | list[float]] | None:
+    if not values:
+        return None
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "rounds": values,
+    }
+
+
+def _merge(statuses: t.Iterable[dict[str, int]]) -> dict[str, int]:
+    merged: dict[str, int] = {}
+    for counts in statuses:
+        for status, count in counts.items():
+            merged[status] = merged.get(status, 0) + count
+    return dict(sorted(merged.items()))
+
+
+def _find(rows: list[dict[str, t.Any]], scenario: str, app: str) -> dict[str, t.Any] | None:
+    for row in rows:
+        if (row["scenario"], row["concurrency"], row["app"]) == (
+            scenario,
+            TARGET_CONCURRENCY,
+            app,
+        ):
+            return row
+    return None
+
+
+def check_targets(document: Document, rows: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
+    """The targets of issue 6, item 3 (medians at concurrency 8), each with its measured value
+    and whether it holds; None where the run could not measure it."""
+    s1, s2 = _find(rows, "S1", "idem"), _find(rows, "S2", "idem")
+    bare1 = _find(rows, "S1", "bare")
+    targets: list[dict[str, t.Any]] = []
+
+    def add(name: str, value: float | str | None, holds: bool | None) -> None:
+        targets.append({"target": name, "value": value, "holds": holds})
+
+    def ratio(row: dict[str, t.Any] | None, field: str) -> float | None:
+        spread = row.get(field) if row else None
+        return None if spread is None else float(spread["median"])
+
+    r = ratio(s1, "rps_ratio")
+    add("S1 throughput >= 0.75x bare", r, None if r is None else r >= 0.75)
+    r = ratio(s1, "p99_ratio")
+    add("S1 p99 <= 1.5x bare", r, None if r is None else r <= 1.5)
+    r = ratio(s2, "rps_ratio")
+    add("S2 throughput >= 1.3x bare", r, None if r is None else r >= 1.3)
+
+    storms = [s for s in document.get("storms", []) if s["app"] == "idem"]
+    if storms:
+        rows_per_key = [n for s in storms for n in s["rows"]]
+        server_errors = sum(
+            s["errors"] + sum(n for k, n in s["statuses"].items() if k.startswith("5"))
+            for s in storms
+        )
+        add(
+            "S3 exactly one row per storm, no 5xx",
+            f"rows per storm {sorted(set(rows_per_key))}, 5xx {server_errors}",
+            all(n == 1 for n in rows_per_key) and server_errors == 0,
+        )
+    else:
+        add("S3 exactly one row per storm, no 5xx", None, None)
+
+    def delta(field: str) -> float | None:
+        if s1 is None or bare1 is None or s1[field] is None or bare1[field] is None:
+            return None
+        return float(s1[field] - bare1[field])
+
+    d = delta("statements")
+    add("S1 statements <= bare + 2", d, None if d is None else d <= 2.005)
+    d = delta("durable_commits")
+    add("S1 commits <= bare + 1", d, None if d is None else d <= 1.005)
+    v = s2["statements"] if s2 else None
+    add("S2 exactly 1 statement", v, None if v is None else abs(v - 1) < 0.01)
+    v = s2["durable_commits"] if s2 else None
+    add("S2 no commit", v, None if v is None else v < 0.01)
+    return targets
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(spread: dict[str, t.Any] | None) -> str:
+    if spread is None:
+        return ""
+    return f"{spread['median']:.2f} [{spread['min']:.2f}-{spread['max']:.2f}]"
+
+
+COLUMNS = (
+    ("scenario", "<"),
+    ("conc", ">"),
+    ("app", "<"),
+    ("req/s", ">"),
+    ("p50 ms", ">"),
+    ("p95 ms", ">"),
+    ("p99 ms", ">"),
+    ("x bare req/s", ">"),
+    ("x bare p99", ">"),
+    ("stmt/req", ">"),
+    ("commit/req", ">"),
+    ("xact/req", ">"),
+    ("app CPU ms/req", ">"),
+    ("db CPU ms/req", ">"),
+)
+
+
+def table_rows(rows: list[dict[str, t.Any]]) -> list[list[str]]:
+    body = []
+    for row in rows:
+        body.append(
+            [
+                SCENARIO_NAMES.get(row["scenario"], row["scenario"]),
+                str(row["concurrency"]),
+                row["app"],
+                _fmt(row["rps"], 0),
+                _fmt(row["p50"], 2),
+                _fmt(row["p95"], 2),
+                _fmt(row["p99"], 2),
+                _ratio(row.get("rps_ratio")),
+                _ratio(row.get("p99_ratio")),
+                _fmt(row["statements"], 2),
+                _fmt(row["durable_commits"], 2),
+                _fmt(row["xact_commits"], 2),
+                _fmt(row["app_cpu_ms"], 2),
+                _fmt(row["db_cpu_ms"], 2),
+            ]
+        )
+    return body
+
+
+def storm_lines(document: Document) -> list[str]:
+    lines = []
+    for s in document.get("storms", []):
+        statuses = " ".join(f"{k}:{v}" for k, v in s["statuses"].items())
+        lines.append(
+            f"{SCENARIO_NAMES['S3']} {s['app']:<4}: {s['storms']} storms of {s['size']}, "
+            f"payment rows per key {sorted(set(s['rows']))}, statuses {statuses}, "
+            f"client errors {s['errors']}, stmt/req {_fmt(s['statements'], 2)}, "
+            f"commit/req {_fmt(s['durable_commits'], 2)}"
+        )
+    return lines
+
+
+def header(document: Document) -> str:
+    options, pg, machine = document["options"], document["postgresql"], document["machine"]
+    return (
+        f"flask_idem bench ({options['mode']}): {options['workers']} gunicorn sync workers per "
+        f"app, client {options['client']}, {options['rounds']} interleaved rounds of "
+        f"{options['seconds']:g} s; PostgreSQL {pg.get('server_version')} (fsync="
+        f"{pg.get('fsync')}, synchronous_commit={pg.get('synchronous_commit')}); "
+        f"{machine.get('nproc')} CPUs ({machine.get('Model name', '?')})"
+    )
+
+
+def format_text(document: Document) -> str:
+    """The table as printed by the bench."""
+    rows = summarize(document)
+    names = [name for name, _ in COLUMNS]
+    body = table_rows(rows)
+    widths = [max(len(line[i]) for line in [names, *body]) for i in range(len(names))]
+
+    def line(cells: list[str]) -> str:
+        aligned = zip(cells, COLUMNS, widths, strict=True)
+        return "  ".join(f"{cell:{align}{width}}" for cell, (_, align), width in aligned)
+
+    out = [header(document), "", line(names), "  ".join("-" * w for w in widths)]
+    out += [line(cells) for cells in body]
+    out += ["", *storm_lines(document), "", "targets (medians at concurrency 8):"]
+    for target in check_targets(document, rows):
+        verdict = {True: "holds", False: "MISSED", None: "not measured"}[target["holds"]]
+        value = target["value"]
+        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
+        out.append(f"  {target['target']:<40} {shown:<32} {verdict}")
+    out += [
+        "",
+        "x bare: per-round ratio protected/bare, median [min-max]. stmt/req: top-level "
+        "statements (BEGIN/COMMIT included) from pg_stat_statements. commit/req: durable "
+        "(write) commits. xact/req: pg_stat_database xact_commit, read-only autocommit "
+        "statements included. CPU: gunicorn workers and PostgreSQL backends, from /proc.",
+    ]
+    return "\n".join(out)
+
+
+def format_markdown(document: Document) -> str:
+    """The same table for README."""
+    rows = summarize(document)
+    names = [name for name, _ in COLUMNS]
+    out = [
+        "| " + " | ".join(names) + " |",
+        "| " + " | ".join("---" if a == "<" else "---:" for _, a in COLUMNS) + " |",
+    ]
+    out += ["| " + " | ".join(cells) + " |" for cells in table_rows(rows)]
+    return "\n".join(out)
+
+
+def complete(document: Document) -> Document:
+    """Add the summary and the target verdicts to a results document."""
+    rows = summarize(document)
+    return document | {"summary": rows, "targets": check_targets(document, rows)}
+
+
+def write(document: Document, directory: Path = RESULTS_DIR) -> Path:
+    """Write ``bench-<mode>-<UTC time>.json`` (git-ignored) and return its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    kind = document.get("kind", "bench")
+    name = f"{kind}-{stamp}" if kind != "bench" else f"bench-{document['options']['mode']}-{stamp}"
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(document, indent=2, default=str) + "\n")
+    return path

@@ -1,0 +1,240 @@
+"""Smoke tests of ``make bench``: its apps answer alike, its client counts right, its report
+adds up. No timing assertions: benchmarks are not unit tests."""
+
+from __future__ import annotations
+
+import json
+import threading
+import typing as t
+from pathlib import Path
+
+import flask
+import pytest
+import sqlalchemy as sa
+from werkzeug.serving import make_server
+
+from bench import load, report
+from bench.__main__ import parse
+from bench.apps import HEALTH_PATH, bare, create_schema, protected
+from flask_idem.migrate import upgrade
+
+BODY = {"amount": 4200, "currency": "EUR", "customer": "cus_bench"}
+
+
+@pytest.fixture(scope="module")
+def bench_url(fresh_pg_database: t.Callable[[], str]) -> str:
+    url = fresh_pg_database()
+    upgrade(url)
+    create_schema(url)
+    return url
+
+
+def _rows(url: str, key: str) -> int:
+    engine = sa.create_engine(sa.make_url(url).set(drivername="postgresql+psycopg2"))
+    try:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text("SELECT count(*) FROM bench_payments WHERE idempotency_key = :k"),
+                    {"k": key},
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgresql
+@pytest.mark.parametrize("factory", [bare, protected])
+def test_apps_answer_the_same_payment(bench_url: str, factory: t.Any) -> None:
+    app = factory(bench_url)
+    try:
+        client = app.test_client()
+        key = f"smoke-{factory.__name__}"
+        headers = {"Idempotency-Key": key}
+        first = client.post("/payments", json=BODY, headers=headers)
+        assert first.status_code == 201
+        payment = first.get_json()
+        assert payment["id"].startswith("pay_")
+        assert {k: payment[k] for k in ("amount", "currency", "customer")} == BODY
+        assert first.headers["Location"] == f"/payments/{payment['id']}"
+        again = client.post("/payments", json=BODY, headers=headers)
+        assert again.status_code == 201
+        if factory is protected:
+            # A replay: same answer, one row.
+            assert again.headers["Idempotent-Replayed"] == "true"
+            assert again.get_json() == payment
+            assert _rows(bench_url, key) == 1
+        else:
+            # The bare app does the work again: that is what the bench compares against.
+            assert again.get_json()["id"] != payment["id"]
+            assert _rows(bench_url, key) == 2
+        assert client.get(HEALTH_PATH).status_code == 200
+    finally:
+        app.extensions["bench_engine"].dispose()
+
+
+@pytest.fixture
+def echo_server() -> t.Iterator[int]:
+    """A tiny server answering like the payment endpoint; replays for the key ``same``."""
+    app = flask.Flask("bench-smoke")
+    seen: set[str] = set()
+    lock = threading.Lock()
+
+    @app.post("/payments")
+    def pay() -> t.Any:
+        key = flask.request.headers.get("Idempotency-Key", "")
+        with lock:
+            replay = key in seen
+            seen.add(key)
+        headers = {"Idempotent-Replayed": "true"} if replay else {}
+        return flask.jsonify(id="pay_1", key=key), 201, headers
+
+    @app.get("/stats")
+    def stats() -> t.Any:
+        return {"ok": True}
+
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+
+
+def test_python_client_counts_requests_and_statuses(echo_server: int) -> None:
+    result = load.python_load(
+        echo_server, lambda n: f"k-{n}", concurrency=4, max_requests=40, max_seconds=20
+    )
+    assert (result.requests, result.errors, result.statuses) == (40, 0, {"201": 40})
+    assert 0 < result.p50 <= result.p95 <= result.p99
+
+    storm = load.storm(echo_server, "same", 10)
+    assert storm.errors == 0
+    assert sum(storm.statuses.values()) == 10
+    assert storm.statuses.get("201 replayed", 0) == 10 - storm.statuses.get("201", 0)
+    assert storm.distinct_bodies == 1
+    assert load.get_json(echo_server, "/stats", count=2) == [{"ok": True}] * 2
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert load.percentile(values, 0.5) == 50
+    assert load.percentile(values, 0.99) == 99
+    assert load.percentile([], 0.5) == 0.0
+
+
+def test_wrk_script_renders() -> None:
+    script = load._WRK_SCRIPT % {
+        "mode": "new",
+        "prefix": "p",
+        "limit": 10,
+        "body": load.BODY.decode(),
+        "path": "/payments",
+    }
+    assert "wrk.thread:stop()" in script and "WRK_JSON" in script
+
+
+def _run(round_: int, scenario: str, app: str, rps: float, p99: float) -> dict[str, t.Any]:
+    per_request = {
+        ("S1", "bare"): (3.0, 1.0),
+        ("S1", "idem"): (5.0, 2.0),
+        ("S2", "bare"): (3.0, 1.0),
+        ("S2", "idem"): (1.0, 0.0),
+    }
+    statements, commits = per_request[scenario, app]
+    return {
+        "round": round_,
+        "scenario": scenario,
+        "concurrency": 8,
+        "app": app,
+        "client": "python",
+        "requests": 100,
+        "seconds": 1.0,
+        "rps": rps,
+        "p50": 1.0,
+        "p95": 2.0,
+        "p99": p99,
+        "mean": 1.0,
+        "statuses": {"201": 100},
+        "errors": 0,
+        "statements": statements,
+        "xact_commits": commits,
+        "durable_commits": commits,
+        "app_cpu_ms": 1.0,
+        "db_cpu_ms": 0.5,
+        "client_cpu_ms": 0.1,
+        "top_statements": [],
+    }
+
+
+def _document() -> dict[str, t.Any]:
+    runs = []
+    for round_, (s1, s2) in enumerate([(0.8, 1.4), (0.7, 1.2), (0.9, 1.5)], start=1):
+        runs += [
+            _run(round_, "S1", "bare", 100.0, 10.0),
+            _run(round_, "S1", "idem", 100.0 * s1, 12.0),
+            _run(round_, "S2", "bare", 100.0, 10.0),
+            _run(round_, "S2", "idem", 100.0 * s2, 8.0),
+        ]
+    storm = {
+        "app": "idem",
+        "size": 50,
+        "storms": 2,
+        "statuses": {"201": 2, "409": 98},
+        "errors": 0,
+        "rows": [1, 1],
+        "records": [1, 1],
+        "distinct_bodies": [1, 1],
+        "statements": 1.0,
+        "durable_commits": 0.02,
+    }
+    return {
+        "options": {"mode": "quick", "workers": 4, "client": "python", "rounds": 3, "seconds": 1},
+        "postgresql": {"server_version": "15", "fsync": "on", "synchronous_commit": "on"},
+        "machine": {"nproc": 2},
+        "runs": runs,
+        "storms": [storm],
+    }
+
+
+def test_report_ratios_targets_and_files(tmp_path: Path) -> None:
+    document = report.complete(_document())
+    idem_s1 = next(r for r in document["summary"] if (r["scenario"], r["app"]) == ("S1", "idem"))
+    assert idem_s1["rps_ratio"]["median"] == pytest.approx(0.8)
+    assert (idem_s1["rps_ratio"]["min"], idem_s1["rps_ratio"]["max"]) == pytest.approx((0.7, 0.9))
+    assert idem_s1["p99_ratio"]["median"] == pytest.approx(1.2)
+    verdicts = {target["target"]: target["holds"] for target in document["targets"]}
+    assert verdicts == {
+        "S1 throughput >= 0.75x bare": True,
+        "S1 p99 <= 1.5x bare": True,
+        "S2 throughput >= 1.3x bare": True,
+        "S3 exactly one row per storm, no 5xx": True,
+        "S1 statements <= bare + 2": True,
+        "S1 commits <= bare + 1": True,
+        "S2 exactly 1 statement": True,
+        "S2 no commit": True,
+    }
+    text = report.format_text(document)
+    assert "x bare req/s" in text and "0.80 [0.70-0.90]" in text and "MISSED" not in text
+    assert report.format_markdown(document).startswith("| scenario | conc | app |")
+    path = report.write(document, tmp_path)
+    assert path.name.startswith("bench-quick-")
+    assert json.loads(path.read_text())["targets"] == document["targets"]
+
+
+def test_report_flags_a_missed_target() -> None:
+    document = _document()
+    for run in document["runs"]:
+        if (run["scenario"], run["app"]) == ("S2", "idem"):
+            run["statements"] = 2.0
+    verdicts = {t["target"]: t["holds"] for t in report.complete(document)["targets"]}
+    assert verdicts["S2 exactly 1 statement"] is False
+
+
+def test_command_line() -> None:
+    assert parse(["--quick"]).command == "run"
+    assert parse(["--quick"]).quick is True
+    assert parse(["growth", "--sizes", "1,5"]).sizes == (1.0, 5.0)
+    assert parse(["report", "x.json", "--markdown"]).markdown is True
