@@ -19,6 +19,7 @@ Request flow on a protected endpoint (the state machine; the store only offers p
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import functools
 import hashlib
 import logging
@@ -532,6 +533,8 @@ def _request_state() -> RequestState | None:
 
 def _emit(signal: t.Any, scope: Scope, **extra: t.Any) -> None:
     """Send a signal with the app as sender and the scope as tenant, endpoint and key hash."""
+    if not signal.receivers:
+        return  # the common case: nobody listens, so skip hashing the key
     signal.send(
         current_app._get_current_object(),  # type: ignore[attr-defined]
         tenant=scope.tenant,
@@ -564,7 +567,7 @@ def _own(state: RequestState, claim: ClaimResult) -> None:
     app_state = _app_state()
     state.token = claim.token
     state.record = claim.record
-    state.watch = app_state.keeper.watch(state.scope, claim.token, app_state.settings.lease)
+    state.watch = app_state.keeper.watch(claim.record, app_state.settings.lease)
     _emit(signals.claimed, state.scope)
 
 
@@ -613,7 +616,11 @@ def _finish(state: RequestState, response: Response) -> Response:
     snapshot = response_snapshot(settings, response)
     try:
         stored = app_state.store.complete(
-            state.scope, state.token, snapshot, connection=state.connection
+            state.scope,
+            state.token,
+            snapshot,
+            connection=state.connection,
+            created_at=_created_at(state),
         )
         if state.connection is not None:
             with translate_errors():
@@ -685,16 +692,21 @@ def _give_back(state: RequestState, reason: str) -> None:
     digest = key_hash(state.scope)
     try:
         if state.side_effect:
-            store.mark_unknown(state.scope, state.token)
+            store.mark_unknown(state.scope, state.token, created_at=_created_at(state))
             _emit(signals.unknown, state.scope, reason=reason)
             log.warning("outcome unknown: %s", reason, extra={"key_hash": digest})
         else:
-            store.release(state.scope, state.token)
+            store.release(state.scope, state.token, created_at=_created_at(state))
             _emit(signals.released, state.scope, reason=reason)
     except StoreUnavailable:
         # The lease expires on its own; the record then answers outcome-pending, never a
         # second execution.
         log.error("could not give the key back: %s", reason, extra={"key_hash": digest})
+
+
+def _created_at(state: RequestState) -> dt.datetime | None:
+    # Tells PostgreSQL which partition holds the record (see ``Store.complete``).
+    return None if state.record is None else state.record.created_at
 
 
 def _stop_watching(state: RequestState) -> None:

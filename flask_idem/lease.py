@@ -17,7 +17,7 @@ import threading
 import time
 
 from .errors import StoreUnavailable
-from .record import Scope
+from .record import Record
 from .store.base import Store
 
 log = logging.getLogger("flask_idem")
@@ -27,8 +27,7 @@ log = logging.getLogger("flask_idem")
 class Watch:
     """One running request's lease; ``lost`` turns True if a renewal found it taken over."""
 
-    scope: Scope
-    token: str
+    record: Record
     lease: float
     due: float
     lost: bool = False
@@ -45,12 +44,15 @@ class LeaseKeeper:
         self._order = itertools.count()
         self._pid: int | None = None
 
-    def watch(self, scope: Scope, token: str, lease: float) -> Watch:
-        watch = Watch(scope, token, lease, due=time.monotonic() + lease / 3)
+    def watch(self, record: Record, lease: float) -> Watch:
+        """Keep renewing the lease of ``record`` (owned by the caller) until :meth:`unwatch`."""
+        watch = Watch(record, lease, due=time.monotonic() + lease / 3)
         with self._condition:
             self._ensure_thread()
             heapq.heappush(self._heap, (watch.due, next(self._order), watch))
-            self._condition.notify()
+            # Wake the thread only if this lease is now the first due (usually it is not).
+            if self._heap[0][2] is watch:
+                self._condition.notify()
         return watch
 
     def unwatch(self, watch: Watch) -> None:
@@ -79,7 +81,14 @@ class LeaseKeeper:
         while True:
             watch = self._next_due()
             try:
-                renewed = self.store.renew(watch.scope, watch.token, lease=watch.lease)
+                record = watch.record
+                assert record.claim_token is not None
+                renewed = self.store.renew(
+                    record.scope,
+                    record.claim_token,
+                    lease=watch.lease,
+                    created_at=record.created_at,
+                )
             except StoreUnavailable:
                 log.warning("lease renewal failed; retrying", exc_info=True)
                 renewed = True  # not lost: try again at the next tick

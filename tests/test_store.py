@@ -291,3 +291,12 @@ def test_find_and_evict(store: SQLStore) -> None:
     assert store.evict(payments)
     assert not store.evict(payments)
     assert store.claim(payments, FP, ttl=600, lease=30).claimed
+
+
+def test_writes_use_the_created_at_hint(store: SQLStore, scope: Scope) -> None:
+    claim = store.claim(scope, FP, ttl=600, lease=30)
+    elsewhere = claim.record.created_at.replace(year=2000)
+    assert not store.complete(scope, claim.token, RESPONSE, created_at=elsewhere)
+    assert not store.renew(scope, claim.token, lease=30, created_at=elsewhere)
+    assert store.renew(scope, claim.token, lease=30, created_at=claim.record.created_at)
+    assert store.complete(scope, claim.token, RESPONSE, created_at=claim.record.created_at)

@@ -9,6 +9,7 @@ once a lease has been taken over, the stale owner's writes match nothing (fencin
 from __future__ import annotations
 
 import abc
+import datetime as dt
 import typing as t
 
 import sqlalchemy as sa
@@ -41,24 +42,31 @@ class Store(abc.ABC):
         response: StoredResponse | None,
         *,
         connection: sa.Connection | None = None,
+        created_at: dt.datetime | None = None,
     ) -> bool:
         """Store the response snapshot; ``None`` marks the key used but not replayable.
 
         :param connection: run inside the caller's open transaction, so that the business
             writes and the stored response commit together.
+        :param created_at: the claimed record's ``created_at``, when known: it lets PostgreSQL
+            touch only that record's partition (the same for every write after the claim).
         :returns: False when the token no longer owns the record (lease taken over).
         """
 
     @abc.abstractmethod
-    def release(self, scope: Scope, token: str) -> bool:
+    def release(self, scope: Scope, token: str, *, created_at: dt.datetime | None = None) -> bool:
         """Forget an in-progress claim so that a retry executes afresh."""
 
     @abc.abstractmethod
-    def mark_unknown(self, scope: Scope, token: str) -> bool:
+    def mark_unknown(
+        self, scope: Scope, token: str, *, created_at: dt.datetime | None = None
+    ) -> bool:
         """Record that a side effect may have happened, so a retry must never re-execute."""
 
     @abc.abstractmethod
-    def renew(self, scope: Scope, token: str, *, lease: float) -> bool:
+    def renew(
+        self, scope: Scope, token: str, *, lease: float, created_at: dt.datetime | None = None
+    ) -> bool:
         """Extend the owner's lease; False when the lease was lost."""
 
     @abc.abstractmethod

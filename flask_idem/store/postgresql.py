@@ -28,7 +28,9 @@ Round trips
     Primitives run on an autocommit connection: the claim (also when it finds an existing
     record, so a replay costs one statement in all), ``complete``, ``release``, ``renew`` and
     ``mark_unknown`` are each one statement with no ``BEGIN``/``COMMIT`` of their own.
-    ``complete`` can instead join the caller's business transaction (no extra commit).
+    ``complete`` can instead join the caller's business transaction (no extra commit). Writes
+    after the claim pass the record's ``created_at``, so PostgreSQL plans them against one
+    partition instead of all of them.
 
 Partitions
     ``idempotency_create_partitions(ahead)`` creates the current and ``ahead`` next partitions
@@ -40,22 +42,20 @@ Partitions
 
 from __future__ import annotations
 
+import contextlib
 import typing as t
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 
 from ..record import ClaimResult, MaintenanceReport, Scope
 from ..schema import DEFAULT_PARTITION
-from ..schema import idempotency_keys as table
-from .sql import RECORD_COLUMNS, SQLStore, new_token, record_from_row, translate_errors
+from .sql import SQLStore, new_token, record_from_row, translate_errors
 
-_CLAIM = sa.text(
-    "SELECT * FROM idempotency_claim(:tenant, :endpoint, :key, :fingerprint, :token, :ttl, :lease)"
-).columns(
-    sa.column("claimed", sa.Boolean),
-    *(sa.column(name, table.c[name].type) for name in RECORD_COLUMNS),
-    sa.column("db_now", sa.DateTime(timezone=True)),
+# Sent as driver SQL: the hottest statement (every protected request) skips SQLAlchemy's
+# statement compilation; psycopg2 already returns bytea, jsonb and timestamptz as Python values.
+_CLAIM = (
+    "SELECT * FROM idempotency_claim(%(tenant)s, %(endpoint)s, %(key)s, %(fingerprint)s, "
+    "%(token)s, %(ttl)s, %(lease)s)"
 )
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
@@ -70,33 +70,42 @@ class PostgresStore(SQLStore):
 
     dialect = "postgresql"
 
-    def __init__(self, engine: sa.Engine) -> None:
-        super().__init__(engine)
-        # One engine option set, shared pool: primitives skip BEGIN/COMMIT round trips.
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-
     def now(self) -> sa.ColumnElement[t.Any]:
         return sa.func.now()
 
     def now_plus(self, seconds: float) -> sa.ColumnElement[t.Any]:
         return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, float(seconds))
 
-    def connect(self) -> t.ContextManager[sa.Connection]:
-        return self._autocommit.connect()
+    @contextlib.contextmanager
+    def connect(self) -> t.Iterator[sa.Connection]:
+        """A pooled connection in autocommit: no BEGIN/COMMIT round trips around a primitive.
+
+        The driver's autocommit flag is flipped directly: SQLAlchemy's ``AUTOCOMMIT`` isolation
+        level would cost one more round trip (``SET default_transaction_isolation``) when the
+        connection returns to the pool.
+        """
+        with self.engine.connect() as connection:
+            dbapi_connection = connection.connection.dbapi_connection
+            assert dbapi_connection is not None
+            dbapi_connection.autocommit = True
+            try:
+                yield connection
+            finally:
+                if not dbapi_connection.closed:
+                    dbapi_connection.autocommit = False
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
-        statement = _CLAIM.bindparams(
-            sa.bindparam("fingerprint", type_=postgresql.BYTEA),
-            tenant=scope.tenant,
-            endpoint=scope.endpoint,
-            key=scope.key,
-            fingerprint=fingerprint,
-            token=new_token(),
-            ttl=float(ttl),
-            lease=float(lease),
-        )
-        row = self._execute(statement).first
-        assert row is not None, "idempotency_claim() always returns one row"
+        parameters = {
+            "tenant": scope.tenant,
+            "endpoint": scope.endpoint,
+            "key": scope.key,
+            "fingerprint": fingerprint,
+            "token": new_token(),
+            "ttl": float(ttl),
+            "lease": float(lease),
+        }
+        with translate_errors(), self.connect() as conn:
+            row = conn.exec_driver_sql(_CLAIM, parameters).one()
         return ClaimResult(record_from_row(scope, row), claimed=bool(row.claimed))
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:

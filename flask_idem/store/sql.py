@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime as dt
+import functools
 import secrets
 import typing as t
 
@@ -103,25 +104,76 @@ class SQLStore(Store):
     def _returning(self) -> list[sa.ColumnElement[t.Any]]:
         return [table.c[name] for name in RECORD_COLUMNS] + [self._db_now()]
 
-    @staticmethod
-    def _owned(scope: Scope, token: str) -> sa.ColumnElement[bool]:
-        # Every write after the claim is fenced by the token and allowed only while in progress.
+    def _owned(self) -> sa.ColumnElement[bool]:
+        """Every write after the claim: fenced by the token, only while in progress.
+
+        ``created_at`` is an optional hint: when given, PostgreSQL folds the ``IS NULL`` test
+        away while planning and touches only the record's partition; when NULL the test is
+        true and every partition is searched.
+        """
+        created_at = sa.bindparam("p_created_at", type_=table.c.created_at.type)
         return sa.and_(
-            table.c.tenant == scope.tenant,
-            table.c.endpoint == scope.endpoint,
-            table.c.key == scope.key,
-            table.c.claim_token == token,
+            table.c.tenant == sa.bindparam("p_tenant"),
+            table.c.endpoint == sa.bindparam("p_endpoint"),
+            table.c.key == sa.bindparam("p_key"),
+            table.c.claim_token == sa.bindparam("p_token"),
             table.c.state == State.IN_PROGRESS.value,
+            sa.or_(
+                sa.cast(created_at, table.c.created_at.type).is_(None),
+                table.c.created_at == created_at,
+            ),
+        )
+
+    @staticmethod
+    def _owner(scope: Scope, token: str, created_at: dt.datetime | None) -> dict[str, t.Any]:
+        # Parameter names differ from column names: SQLAlchemy reserves those in UPDATE.
+        return {
+            "p_tenant": scope.tenant,
+            "p_endpoint": scope.endpoint,
+            "p_key": scope.key,
+            "p_token": token,
+            "p_created_at": created_at,
+        }
+
+    @functools.cached_property
+    def _complete_statement(self) -> sa.Update:
+        # Built once per store: the hot path only binds values (no statement construction).
+        return (
+            table.update()
+            .where(self._owned())
+            .values(
+                state=sa.bindparam("p_state"),
+                response_status=sa.bindparam("p_status"),
+                response_headers=sa.bindparam("p_headers", type_=table.c.response_headers.type),
+                response_body=sa.bindparam("p_body", type_=table.c.response_body.type),
+                completed_at=self.now(),
+                lease_expires_at=None,
+            )
+        )
+
+    @functools.cached_property
+    def _release_statement(self) -> sa.Delete:
+        return table.delete().where(self._owned())
+
+    @functools.cached_property
+    def _unknown_statement(self) -> sa.Update:
+        return (
+            table.update()
+            .where(self._owned())
+            .values(state=State.UNKNOWN.value, lease_expires_at=None)
         )
 
     def _execute(
-        self, statement: sa.Executable, connection: sa.Connection | None = None
+        self,
+        statement: sa.Executable,
+        parameters: dict[str, t.Any] | None = None,
+        connection: sa.Connection | None = None,
     ) -> Outcome:
         with translate_errors():
             if connection is not None:
-                return Outcome.of(connection.execute(statement))
+                return Outcome.of(connection.execute(statement, parameters))
             with self.connect() as conn:
-                return Outcome.of(conn.execute(statement))
+                return Outcome.of(conn.execute(statement, parameters))
 
     def complete(
         self,
@@ -130,39 +182,40 @@ class SQLStore(Store):
         response: StoredResponse | None,
         *,
         connection: sa.Connection | None = None,
+        created_at: dt.datetime | None = None,
     ) -> bool:
-        values: dict[str, t.Any] = {"completed_at": self.now(), "lease_expires_at": None}
+        parameters = self._owner(scope, token, created_at)
         if response is None:
-            values["state"] = State.UNSTORED.value
-        else:
-            values.update(
-                state=State.COMPLETED.value,
-                response_status=response.status,
-                response_headers=[list(pair) for pair in response.headers],
-                response_body=response.body,
+            parameters.update(
+                p_state=State.UNSTORED.value, p_status=None, p_headers=None, p_body=None
             )
-        statement = table.update().where(self._owned(scope, token)).values(**values)
-        return self._execute(statement, connection).rowcount == 1
+        else:
+            parameters.update(
+                p_state=State.COMPLETED.value,
+                p_status=response.status,
+                p_headers=[list(pair) for pair in response.headers],
+                p_body=response.body,
+            )
+        outcome = self._execute(self._complete_statement, parameters, connection)
+        return outcome.rowcount == 1
 
-    def release(self, scope: Scope, token: str) -> bool:
-        statement = table.delete().where(self._owned(scope, token))
-        return self._execute(statement).rowcount == 1
+    def release(self, scope: Scope, token: str, *, created_at: dt.datetime | None = None) -> bool:
+        parameters = self._owner(scope, token, created_at)
+        return self._execute(self._release_statement, parameters).rowcount == 1
 
-    def mark_unknown(self, scope: Scope, token: str) -> bool:
+    def mark_unknown(
+        self, scope: Scope, token: str, *, created_at: dt.datetime | None = None
+    ) -> bool:
+        parameters = self._owner(scope, token, created_at)
+        return self._execute(self._unknown_statement, parameters).rowcount == 1
+
+    def renew(
+        self, scope: Scope, token: str, *, lease: float, created_at: dt.datetime | None = None
+    ) -> bool:
         statement = (
-            table.update()
-            .where(self._owned(scope, token))
-            .values(state=State.UNKNOWN.value, lease_expires_at=None)
+            table.update().where(self._owned()).values(lease_expires_at=self.now_plus(lease))
         )
-        return self._execute(statement).rowcount == 1
-
-    def renew(self, scope: Scope, token: str, *, lease: float) -> bool:
-        statement = (
-            table.update()
-            .where(self._owned(scope, token))
-            .values(lease_expires_at=self.now_plus(lease))
-        )
-        return self._execute(statement).rowcount == 1
+        return self._execute(statement, self._owner(scope, token, created_at)).rowcount == 1
 
     def take_over(self, scope: Scope, token: str, *, lease: float) -> ClaimResult | None:
         # Row locking makes this exactly-one-winner: a concurrent UPDATE re-checks the WHERE
@@ -170,14 +223,14 @@ class SQLStore(Store):
         statement = (
             table.update()
             .where(
-                self._owned(scope, token),
+                self._owned(),
                 table.c.lease_expires_at <= self.now(),
                 table.c.expires_at > self.now(),
             )
             .values(claim_token=new_token(), lease_expires_at=self.now_plus(lease))
             .returning(*self._returning())
         )
-        row = self._execute(statement).first
+        row = self._execute(statement, self._owner(scope, token, None)).first
         return None if row is None else ClaimResult(record_from_row(scope, row), claimed=True)
 
     def get(self, scope: Scope) -> Record | None:
