@@ -155,3 +155,40 @@ def test_maintain_purges_expired_rows_from_default(pg_store: SQLStore, scope: Sc
     _sql(pg_store, "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'")
     assert pg_store.maintain(ahead=7).purged == 1
     assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys") == [(0,)]
+
+
+def test_upkeep_under_concurrent_claims_loses_nothing(pg_store: SQLStore) -> None:
+    """Creating and dropping partitions while claims run: no claim fails, none is lost."""
+    import threading
+
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    claimed: list[Scope] = []
+
+    def claimant(worker: int) -> None:
+        n = 0
+        while not stop.is_set():
+            scope = Scope("t", "e", f"w{worker}-{n}")
+            try:
+                assert pg_store.claim(scope, FP, ttl=600, lease=30).claimed
+                claimed.append(scope)
+            except BaseException as exc:  # noqa: BLE001 - every failure is reported below
+                failures.append(exc)
+            n += 1
+
+    threads = [threading.Thread(target=claimant, args=(w,)) for w in range(6)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(5):
+            _sql(pg_store, "SELECT idempotency_create_partitions(0, false, 5)")
+            report = pg_store.maintain(ahead=9)
+            assert _name(pg_store, -3) in report.dropped
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert [repr(f.__cause__)[:300] for f in failures] == []
+    assert len(claimed) > 50
+    assert all(pg_store.get(scope) is not None for scope in claimed[::10])
+    assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys_default") == [(0,)]

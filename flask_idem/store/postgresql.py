@@ -109,15 +109,23 @@ class PostgresStore(SQLStore):
         return ClaimResult(record_from_row(scope, row), claimed=bool(row.claimed))
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
+        # One transaction per step: a step's locks must not be held while the next one waits
+        # for the parent table, or a claim queued between them closes a deadlock cycle.
+        created = self._maintenance_step(_CREATE_PARTITIONS, "5s", ahead=ahead, dry_run=dry_run)
+        # Claims wait behind the drop's exclusive lock: give up quickly, retry next run.
+        dropped = self._maintenance_step(_DROP_PARTITIONS, "200ms", dry_run=dry_run)
+        # Rows land in DEFAULT only when upkeep fell behind; expire them row by row.
         with translate_errors(), self.engine.begin() as conn:
-            # Partition DDL waits for running claims; never let it queue them up for long.
-            conn.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
-            created = conn.execute(_CREATE_PARTITIONS, {"ahead": ahead, "dry_run": dry_run})
-            created_names = tuple(created.scalars())
-            dropped = tuple(conn.execute(_DROP_PARTITIONS, {"dry_run": dry_run}).scalars())
-            # Rows land in DEFAULT only when upkeep fell behind; expire them row by row.
             if dry_run:
                 purged = int(conn.execute(_COUNT_EXPIRED_DEFAULT).scalar_one())
             else:
                 purged = conn.execute(_PURGE_DEFAULT).rowcount
-        return MaintenanceReport(created_names, dropped, purged, dry_run)
+        return MaintenanceReport(tuple(created), tuple(dropped), purged, dry_run)
+
+    def _maintenance_step(
+        self, statement: sa.TextClause, lock_timeout: str, **parameters: t.Any
+    ) -> list[str]:
+        with translate_errors(), self.engine.begin() as conn:
+            # Partition DDL waits for running claims; never let it queue them up for long.
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{lock_timeout}'")
+            return list(conn.execute(statement, parameters).scalars())

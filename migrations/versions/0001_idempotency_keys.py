@@ -169,13 +169,24 @@ BEGIN
         v_hi := (to_date(v_day, 'YYYYMMDD')::timestamp + v_step) AT TIME ZONE 'UTC';
         -- The current and future partitions still receive claims.
         CONTINUE WHEN v_hi > now();
-        IF NOT p_dry_run THEN
-            -- Nothing can move a live row in (an UPDATE of created_at) between check and drop.
-            EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE', v_name);
-        END IF;
         EXECUTE format('SELECT EXISTS (SELECT 1 FROM %I WHERE expires_at > now())', v_name)
             INTO v_live;
         CONTINUE WHEN v_live;
+        IF NOT p_dry_run THEN
+            -- Lock the parent (which locks every partition, parent first, in the order claims
+            -- take their locks, so no deadlock), then check again: nothing can move a live
+            -- row in (an UPDATE of created_at) between this check and the drop. Claims queue
+            -- behind this lock, so the caller keeps lock_timeout short; when the table stays
+            -- busy the partition is left for the next run.
+            BEGIN
+                LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE;
+            EXCEPTION WHEN lock_not_available THEN
+                CONTINUE;
+            END;
+            EXECUTE format('SELECT EXISTS (SELECT 1 FROM %I WHERE expires_at > now())', v_name)
+                INTO v_live;
+            CONTINUE WHEN v_live;
+        END IF;
         IF NOT p_dry_run THEN
             EXECUTE format('DROP TABLE %I', v_name);
         END IF;
