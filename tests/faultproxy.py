@@ -1,8 +1,9 @@
-"""A loopback TCP proxy that loses the server's answer: the network failure clients must survive.
+"""A loopback TCP proxy for network failures: lost answers and a server that goes away.
 
 For the first ``drop`` connections it forwards the request, waits until the server starts
 answering (so the server has processed the request and committed), then closes the client's
-socket without passing a byte on. Later connections are forwarded untouched.
+socket without passing a byte on. Later connections are forwarded untouched. ``close()`` cuts
+every connection and refuses new ones, as if the server behind it went down.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import threading
 class FaultProxy:
     """Forward 127.0.0.1:<port> to an upstream port, dropping the first answers."""
 
-    def __init__(self, upstream_port: int, *, drop: int = 1) -> None:
+    def __init__(self, upstream_port: int, *, drop: int = 0) -> None:
         self.upstream_port = upstream_port
         self.drop = drop
         self.connections = 0
         self.requests: list[bytes] = []
+        self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -29,6 +31,11 @@ class FaultProxy:
     def close(self) -> None:
         self._stopped.set()
         self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
 
     def _accept(self) -> None:
         while not self._stopped.is_set():
@@ -43,7 +50,9 @@ class FaultProxy:
 
     def _serve(self, client: socket.socket, dropping: bool) -> None:
         upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=30)
-        client.settimeout(30)
+        client.settimeout(None if not dropping else 30)
+        with self._lock:
+            self._sockets += [client, upstream]
         received = bytearray()
         with contextlib.ExitStack() as stack:
             stack.enter_context(client)

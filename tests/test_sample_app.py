@@ -20,8 +20,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
-from . import pgcluster
+from .faultproxy import FaultProxy
 from .sample_server import BETA, Reply, SampleServer, migrate, spelled
 
 pytestmark = pytest.mark.postgresql
@@ -743,20 +744,24 @@ def test_rate_limit_is_shared_by_workers_and_never_stored(limited: SampleServer)
 
 @pytest.mark.slow
 def test_database_down_answers_503_without_running_the_handler(
-    tmp_path_factory: pytest.TempPathFactory,
+    fresh_pg_database: t.Callable[[], str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    if not pgcluster.have_server_binaries():
-        pytest.fail(pgcluster.NO_SERVER)
-    cluster = pgcluster.Cluster(pgcluster.PG_DIR / f"sample-down-{os.getpid()}")
+    """The app reaches its database through a proxy; closing it takes the database away."""
+    url = fresh_pg_database()
+    migrate(url)
+    real = sa.make_url(url)
+    proxy = FaultProxy(real.port or 5432)
     server: SampleServer | None = None
     try:
-        cluster.start()
-        migrate(cluster.url)
-        server = SampleServer(cluster.url, Path(tmp_path_factory.mktemp("down")))
+        through_proxy = real.set(host="127.0.0.1", port=proxy.port)
+        server = SampleServer(
+            through_proxy.render_as_string(hide_password=False),
+            Path(tmp_path_factory.mktemp("down")),
+        )
         done = new_key()
         assert_executed(server.pay(done, payment(new_customer())))
         assert len(server.provider_attempts()) == 1
-        cluster.stop()
+        proxy.close()
         for key in (new_key(), new_key(), done):
             reply = server.pay(key, payment(new_customer()))
             assert_problem(reply, 503, "store-unavailable")
@@ -764,9 +769,9 @@ def test_database_down_answers_503_without_running_the_handler(
             assert reply.headers["Idempotency-Key"] == key
         assert len(server.provider_attempts()) == 1
     finally:
+        proxy.close()
         if server is not None:
             server.stop()
-        cluster.stop()
 
 
 # -- echo before the claim, downstream keys after expiry ------------------------------
