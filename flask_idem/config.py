@@ -104,11 +104,6 @@ class Settings:
 
         ttl = number("IDEMPOTENCY_TTL", minimum=1)
         lease = number("IDEMPOTENCY_LEASE", minimum=1)
-        if lease > ttl:
-            raise ConfigurationError(
-                f"IDEMPOTENCY_LEASE ({lease}) must not exceed IDEMPOTENCY_TTL ({ttl}): a key "
-                "would expire while its first request still holds it"
-            )
         methods_raw = value["IDEMPOTENCY_METHODS"]
         methods = (methods_raw,) if isinstance(methods_raw, str) else tuple(methods_raw)
         methods = tuple(str(m).upper() for m in methods)

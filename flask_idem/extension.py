@@ -37,7 +37,7 @@ from . import signals
 from .config import Settings
 from .errors import ConfigurationError, StoreUnavailable
 from .fingerprint import fingerprint as canonical_fingerprint
-from .keys import InvalidKey, derive_key, key_hash, read_key
+from .keys import InvalidKey, derive_key, echo_of_invalid, key_hash, read_key
 from .lease import LeaseKeeper, Watch
 from .problem import (
     InternalError,
@@ -143,6 +143,8 @@ class RequestState:
     side_effect: bool = False
     crashed: bool = False
     finished: bool = False
+    #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``).
+    echo: str | None = None
 
 
 class Idempotency:
@@ -201,6 +203,9 @@ class Idempotency:
         # 500 handler, registered before this call, wins.
         if not app.error_handler_spec[None].get(500):
             app.register_error_handler(InternalServerError, _internal_error)
+        # A store failure anywhere in a request (``idem.connection()`` in any view) fails
+        # closed with 503, never with a 500 and a traceback.
+        app.register_error_handler(StoreUnavailable, _store_unavailable)
 
     @staticmethod
     def _build_store(settings: Settings) -> Store:
@@ -394,6 +399,8 @@ class Idempotency:
         try:
             key = read_key(request.headers, settings.headers)
         except InvalidKey as exc:
+            echo = echo_of_invalid(request.headers, settings.headers)
+            setattr(g, _REQUEST_STATE, RequestState(None, options, echo=echo))
             raise KeyInvalid(str(exc)) from None
         if key is None:
             required = settings.key_required if options.required is None else options.required
@@ -479,8 +486,9 @@ class Idempotency:
         if state is None:
             self._echo_unclaimed(response)
             return response
-        if state.scope is not None:
-            response.headers[_app_state().settings.header] = state.scope.key
+        echo = state.scope.key if state.scope is not None else state.echo
+        if echo is not None:
+            response.headers[_app_state().settings.header] = echo
         if state.crashed or state.finished:
             return response
         if state.token is None:
@@ -497,7 +505,7 @@ class Idempotency:
         try:
             key = read_key(request.headers, settings.headers)
         except InvalidKey:
-            return
+            key = echo_of_invalid(request.headers, settings.headers)
         if key is not None:
             response.headers[settings.header] = key
 
@@ -733,6 +741,13 @@ def _mark_crashed(sender: Flask, exception: BaseException, **_: t.Any) -> None:
     state = _request_state()
     if state is not None:
         state.crashed = True
+
+
+def _store_unavailable(error: StoreUnavailable) -> ResponseReturnValue:
+    log.error("idempotency store unavailable during the request: %s", error)
+    return StoreUnavailableProblem(
+        "The database cannot be reached; the request was not completed. Retry later."
+    ).get_response()
 
 
 def _internal_error(error: InternalServerError) -> ResponseReturnValue:

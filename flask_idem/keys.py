@@ -40,6 +40,23 @@ def normalize(value: str) -> str:
     return value
 
 
+def echo_of_invalid(headers: t.Any, names: t.Sequence[str]) -> str | None:
+    """What to echo for an invalid key: the one value sent, unquoted, if it is printable ASCII.
+
+    Echoing lets a client match the 400 to its request; anything that could not travel back in
+    a header safely (control or non-ASCII characters, two different values) is not echoed.
+    """
+    values = [value for name in names for value in headers.getlist(name)]
+    if len(set(values)) != 1:
+        return None
+    value = str(values[0]).strip(" \t")
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = value[1:-1]
+    if not value or len(value) > 1024 or not all(" " <= char <= "~" for char in value):
+        return None
+    return value
+
+
 def read_key(headers: t.Any, names: t.Sequence[str]) -> str | None:
     """The key carried by any of the header ``names`` (case-insensitive), or None.
 

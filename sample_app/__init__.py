@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 
 from flask import Flask
+from werkzeug.exceptions import HTTPException
 
-from . import provider, ratelimit
+from . import problems, provider, ratelimit
 from .auth import authenticate
 from .extensions import idem
 from .models import init_db_command
@@ -40,6 +41,10 @@ def create_app() -> Flask:
     # Members in the documented order (id first), not sorted.
     app.json.sort_keys = False  # type: ignore[attr-defined]
 
+    # Problem documents for every HTTP error, registered before the extension so that its own
+    # 500 handler defers to this one.
+    app.register_error_handler(HTTPException, problems.from_http_error)
+    app.register_error_handler(500, problems.from_http_error)
     app.before_request(authenticate)
     ratelimit.init_app(app, url)
     idem.init_app(app)

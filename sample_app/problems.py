@@ -6,9 +6,14 @@ Each is raised (or returned) from a hook or a view; the extension renders it as
 
 from __future__ import annotations
 
+import re
 import typing as t
 
+from werkzeug.exceptions import HTTPException
+from werkzeug.wrappers import Response
+
 from flask_idem import Problem
+from flask_idem.problem import InternalError
 
 
 def unauthorized() -> Problem:
@@ -67,3 +72,24 @@ def card_declined() -> Problem:
         status=402,
         title="Card declined",
     )
+
+
+def from_http_error(error: HTTPException) -> Response:
+    """Every HTTP error of the API as a problem document (404, 405, 500...), not HTML."""
+    if isinstance(error, Problem):
+        return error.get_response()
+    if error.response is not None:
+        # The error carries its answer already (Flask-Limiter's 429 from ``on_breach``).
+        return t.cast(Response, error.response)
+    if (error.code or 500) >= 500:
+        problem: Problem = InternalError("The server failed while processing the request.")
+    else:
+        problem = Problem(
+            error.description or error.name,
+            problem=re.sub(r"[^a-z0-9]+", "-", error.name.lower()).strip("-"),
+            status=error.code,
+            title=error.name,
+            # Keep what the error says about the resource (Allow on a 405), not its HTML type.
+            headers=[(k, v) for k, v in error.get_headers() if k.lower() != "content-type"],
+        )
+    return problem.get_response()

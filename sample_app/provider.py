@@ -42,7 +42,8 @@ class Provider:
     """
 
     def __init__(self, url: str, *, latency: float = 0.0, log_path: str | None = None) -> None:
-        self.engine = create_engine(url)
+        # Checked on checkout: an external service must survive a database restart.
+        self.engine = create_engine(url, pool_pre_ping=True)
         self.latency = latency
         self.log_path = log_path
 

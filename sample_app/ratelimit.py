@@ -43,7 +43,8 @@ class SQLStorage(Storage):
         self, uri: str | None = None, wrap_exceptions: bool = False, *, url: str, **options: t.Any
     ) -> None:
         super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)
-        self.engine = create_engine(url)
+        # Checked on checkout: an external service must survive a database restart.
+        self.engine = create_engine(url, pool_pre_ping=True)
 
     @property
     def base_exceptions(self) -> type[Exception] | tuple[type[Exception], ...]:

@@ -29,19 +29,37 @@ class WholeNumber(fields.Integer):
         return value
 
 
+class Text(fields.String):
+    """A string the database can store: no NUL character, no lone surrogate.
+
+    PostgreSQL text cannot hold NUL and UTF-8 cannot encode a lone surrogate; both parse as
+    JSON, so they must be refused here (400) rather than fail in an INSERT after the charge.
+    """
+
+    def _deserialize(self, value: t.Any, attr: str | None, data: t.Any, **kwargs: t.Any) -> str:
+        text = super()._deserialize(value, attr, data, **kwargs)
+        if "\x00" in text:
+            raise ValidationError("Must not contain NUL characters.")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValidationError("Must be valid Unicode text.") from None
+        return text
+
+
 def amount_field() -> WholeNumber:
     return WholeNumber(required=True, validate=validate.Range(min=1, max=MAX_AMOUNT))
 
 
 class PaymentSchema(Schema):
     amount = amount_field()
-    currency = fields.String(
+    currency = Text(
         required=True,
         validate=validate.Regexp(r"[a-z]{3}\Z", error="Must be three lowercase letters."),
     )
-    customer = fields.String(required=True, validate=validate.Length(min=1, max=255))
-    description = fields.String()
-    metadata = fields.Dict(keys=fields.String(), values=fields.String())
+    customer = Text(required=True, validate=validate.Length(min=1, max=255))
+    description = Text()
+    metadata = fields.Dict(keys=Text(), values=Text())
     # Volatile: left out of the fingerprint (see the view's ``exclude``), accepted and ignored.
     client_ts = fields.Raw()
 

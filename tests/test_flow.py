@@ -119,17 +119,28 @@ def test_missing_key_is_400_and_stores_nothing(app_factory: Factory, store: SQLS
 
 
 @pytest.mark.parametrize(
-    "key",
-    ["", "has space", "x" * 256, "ключ", 'a"b', "a\\b", '"unterminated', "semi;colon", "%41"],
+    ("key", "echo"),
+    [
+        ("", None),
+        ("has space", "has space"),
+        ("x" * 256, "x" * 256),
+        ("ключ", None),  # not printable ASCII: never sent back
+        ('a"b', 'a"b'),
+        ("a\\b", "a\\b"),
+        ('"unterminated', '"unterminated'),
+        ('"quoted space"', "quoted space"),
+        ("semi;colon", "semi;colon"),
+        ("%41", "%41"),
+    ],
 )
 def test_invalid_key_is_400_and_stores_nothing(
-    app_factory: Factory, store: SQLStore, key: str
+    app_factory: Factory, store: SQLStore, key: str, echo: str | None
 ) -> None:
     app, _, counter = app_factory()
     headers = {"Idempotency-Key": key.encode("utf-8").decode("latin-1")}
     response = app.test_client().post("/payments", json={"amount": 1}, headers=headers)
     _assert_problem(response, 400, "idempotency-key-invalid")
-    assert "Idempotency-Key" not in response.headers, "an invalid key is never echoed"
+    assert response.headers.get("Idempotency-Key") == echo
     assert counter.calls == 0 and _rows(store) == 0
 
 
@@ -490,7 +501,9 @@ def test_answers_before_the_claim_echo_the_key(store: SQLStore) -> None:
     response = _post(app.test_client(), key='"k-401"')
     assert response.status_code == 401 and response.headers["Idempotency-Key"] == "k-401"
     invalid = _post(app.test_client(), key="bad key")
-    assert invalid.status_code == 401 and "Idempotency-Key" not in invalid.headers
+    assert invalid.status_code == 401 and invalid.headers["Idempotency-Key"] == "bad key"
+    unprintable = _post(app.test_client(), key="ключ".encode().decode("latin-1"))
+    assert unprintable.status_code == 401 and "Idempotency-Key" not in unprintable.headers
     assert ran == [] and _rows(store) == 0
 
 
@@ -705,3 +718,47 @@ def test_store_outage_during_completion_answers_honestly(
         "request-in-progress",
     )
     assert counter.calls == 1, "the key stayed taken: the operation never runs twice"
+
+
+def test_a_request_running_past_its_ttl_still_blocks_retries(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    """TTL 1 s, lease 1 s renewed while the view runs 2.5 s: a retry at 1.6 s must not run."""
+    app, idem, counter = app_factory(IDEMPOTENCY_TTL=1, IDEMPOTENCY_LEASE=1)
+    started = threading.Event()
+
+    @app.post("/slow-charge")
+    @idem.idempotent
+    def slow_charge() -> t.Any:
+        counter.bump()
+        started.set()
+        time.sleep(2.5)
+        return "charged", 201
+
+    results: list[int] = []
+    first = threading.Thread(
+        target=lambda: results.append(
+            app.test_client().post("/slow-charge", headers={"Idempotency-Key": "k"}).status_code
+        )
+    )
+    first.start()
+    assert started.wait(10)
+    time.sleep(1.6)
+    retry = app.test_client().post("/slow-charge", headers={"Idempotency-Key": "k"})
+    first.join(10)
+    _assert_problem(retry, 409, "request-in-progress")
+    assert results == [201] and counter.calls == 1
+
+
+def test_store_failure_in_any_view_is_a_503_problem(app_factory: Factory) -> None:
+    app, idem, _ = app_factory()
+    app.extensions["idempotency"].store = create_store("postgresql://nobody@127.0.0.1:1/none")
+
+    @app.get("/report")
+    def report() -> t.Any:
+        idem.connection().execute(sa.text("SELECT 1"))
+        return "never", 200
+
+    response = app.test_client().get("/report")
+    _assert_problem(response, 503, "store-unavailable")
+    app.extensions["idempotency"].store.engine.dispose()

@@ -16,7 +16,9 @@ RESPONSE = StoredResponse(201, (("Content-Type", "application/json"),), b"{}")
 
 @pytest.fixture(autouse=True)
 def _restore_partitions(pg_store: SQLStore) -> object:
-    """Give the next test the partitions a fresh migration has (yesterday to 7 days ahead)."""
+    """Run each test on the partitions a fresh migration has (yesterday to 7 days ahead), and
+    leave them so (other test files run upkeep too)."""
+    _sql(pg_store, "SELECT idempotency_create_partitions(7, false, 1)")
     yield
     _sql(pg_store, "SELECT idempotency_create_partitions(7, false, 1)")
 
@@ -103,7 +105,12 @@ def test_expired_record_in_yesterdays_partition_does_not_block(
 ) -> None:
     pg_store.claim(scope, FP, ttl=60, lease=30)
     _move_to_day(pg_store, scope, -1)
-    _sql(pg_store, "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'")
+    # Expired: past its TTL, and its owner's lease has run out too.
+    _sql(
+        pg_store,
+        "UPDATE idempotency_keys SET expires_at = now() - interval '1 second', "
+        "lease_expires_at = now() - interval '1 second'",
+    )
     assert pg_store.claim(scope, FP, ttl=60, lease=30).claimed
 
 
@@ -135,7 +142,8 @@ def test_maintain_drops_only_fully_expired_partitions(pg_store: SQLStore) -> Non
     _move_to_day(pg_store, live, -3)
     _sql(
         pg_store,
-        "UPDATE idempotency_keys SET expires_at = now() - interval '1 hour' WHERE key = 'expired'",
+        "UPDATE idempotency_keys SET expires_at = now() - interval '1 hour', "
+        "lease_expires_at = now() - interval '1 hour' WHERE key = 'expired'",
     )
     report = pg_store.maintain(ahead=7, dry_run=True)
     assert _name(pg_store, -4) in report.dropped
@@ -152,7 +160,12 @@ def test_maintain_drops_only_fully_expired_partitions(pg_store: SQLStore) -> Non
 def test_maintain_purges_expired_rows_from_default(pg_store: SQLStore, scope: Scope) -> None:
     pg_store.claim(scope, FP, ttl=60, lease=30)
     _move_to_day(pg_store, scope, 40)
-    _sql(pg_store, "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'")
+    # Expired: past its TTL, and its owner's lease has run out too.
+    _sql(
+        pg_store,
+        "UPDATE idempotency_keys SET expires_at = now() - interval '1 second', "
+        "lease_expires_at = now() - interval '1 second'",
+    )
     assert pg_store.maintain(ahead=7).purged == 1
     assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys") == [(0,)]
 

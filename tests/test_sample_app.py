@@ -768,6 +768,8 @@ def test_database_down_answers_503_without_running_the_handler(
             assert int(reply.headers["Retry-After"]) >= 1
             assert reply.headers["Idempotency-Key"] == key
         assert len(server.provider_attempts()) == 1
+        for path in ("/v1/payments", "/v1/payments/pay_unknown"):
+            assert_problem(server.request("GET", path), 503, "store-unavailable")
     finally:
         proxy.close()
         if server is not None:
@@ -794,3 +796,56 @@ def test_an_expired_key_charges_anew(main: SampleServer) -> None:
     second = main.pay(key, payment(customer, amount=100))
     assert_executed(second)
     assert second.json()["provider_charge_id"] != first.json()["provider_charge_id"]
+
+
+# -- bad input and unknown routes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("escape", [r"c\u0000", r"\ud800"])
+@pytest.mark.parametrize("field", ["customer", "description"])
+def test_unstorable_text_is_a_400_before_any_charge(
+    main: SampleServer, escape: str, field: str
+) -> None:
+    """A NUL or a lone surrogate is valid JSON but no storable text: refused up front."""
+    values = {"customer": '"cus_text"', "description": '"fine"'}
+    values[field] = f'"{escape}"'
+    raw = (
+        '{"amount": 1, "currency": "eur", '
+        f'"customer": {values["customer"]}, "description": {values["description"]}}}'
+    ).encode()
+    before = len(main.provider_attempts())
+    reply = main.request("POST", "/v1/payments", key=new_key(), raw=raw)
+    document = assert_problem(reply, 400, "invalid-request")
+    assert field in document["errors"]
+    assert len(main.provider_attempts()) == before, "refused before the provider is called"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "name"),
+    [
+        ("POST", "/v1/payments/", 404, "not-found"),
+        ("GET", "/v1/nothing", 404, "not-found"),
+        ("PUT", "/v1/payments", 405, "method-not-allowed"),
+    ],
+)
+def test_unknown_routes_answer_problems(
+    main: SampleServer, method: str, path: str, status: int, name: str
+) -> None:
+    reply = main.request(method, path, json_body={})
+    assert_problem(reply, status, name)
+    if status == 405:
+        assert "POST" in reply.headers["Allow"]
+
+
+def test_the_contract_settings_start_the_app(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``FLASK_IDEMPOTENCY_TTL=2`` alone, and with ``FLASK_IDEMPOTENCY_LEASE=3``."""
+    from sample_app import create_app
+
+    monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path}/boot.sqlite3")
+    monkeypatch.setenv("FLASK_IDEMPOTENCY_TTL", "2")
+    assert create_app().extensions["idempotency"].settings.ttl == 2
+    monkeypatch.setenv("FLASK_IDEMPOTENCY_LEASE", "3")
+    settings = create_app().extensions["idempotency"].settings
+    assert (settings.ttl, settings.lease) == (2, 3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 
 import pytest
@@ -300,3 +301,55 @@ def test_writes_use_the_created_at_hint(store: SQLStore, scope: Scope) -> None:
     assert not store.renew(scope, claim.token, lease=30, created_at=elsewhere)
     assert store.renew(scope, claim.token, lease=30, created_at=claim.record.created_at)
     assert store.complete(scope, claim.token, RESPONSE, created_at=claim.record.created_at)
+
+
+def test_a_request_running_past_its_ttl_keeps_the_key(store: SQLStore, scope: Scope) -> None:
+    """The TTL never frees a key whose first request still holds its lease."""
+    claim = store.claim(scope, FP, ttl=2, lease=30)
+    shift(store, scope, 10, "created_at", "expires_at")
+    assert store.renew(
+        scope, claim.token, lease=30, created_at=claim.record.created_at - _seconds(10)
+    )
+    again = store.claim(scope, FP, ttl=2, lease=30)
+    assert not again.claimed and again.record.claim_token == claim.token
+    assert store.get(scope) is not None
+    assert store.maintain(ahead=7).purged == 0
+    assert store.get(scope) is not None, "upkeep never removes a record under a held lease"
+    shift(store, scope, 31, "lease_expires_at")
+    assert store.claim(scope, FP, ttl=2, lease=30).claimed, "past TTL and lease: forgotten"
+
+
+def _seconds(n: float) -> dt.timedelta:
+    return dt.timedelta(seconds=n)
+
+
+def test_errors_never_carry_keys_or_tokens(db_url: str, scope: Scope) -> None:
+    store = create_store(db_url)
+    try:
+        token = store.claim(scope, FP, ttl=60, lease=30).token
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DROP TABLE IF EXISTS idem_scratch")
+        failing = sa.text("SELECT * FROM idem_scratch WHERE key = :key AND token = :token")
+        with pytest.raises(sa.exc.SQLAlchemyError) as info, store.engine.connect() as conn:
+            conn.execute(failing, {"key": scope.key, "token": token})
+        assert scope.key not in str(info.value) and token not in str(info.value)
+    finally:
+        store.engine.dispose()
+
+
+def test_a_silent_database_fails_within_seconds(scope: Scope) -> None:
+    """A server that accepts connections but never answers: StoreUnavailable, no hang."""
+    import socket
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    silent = create_store(f"postgresql://nobody@127.0.0.1:{port}/none")
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            silent.claim(scope, FP, ttl=60, lease=30)
+        assert time.monotonic() - started < 15
+    finally:
+        silent.engine.dispose()
+        listener.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing as t
+
 import sqlalchemy as sa
 
 from ..errors import ConfigurationError
@@ -30,13 +32,41 @@ def normalize_url(url: str | sa.URL) -> sa.URL:
     return parsed
 
 
-def create_engine(url: str | sa.URL) -> sa.Engine:
-    """An engine with the pool settings the store relies on."""
+#: libpq settings that turn a dead or silent database into an error within seconds, so that a
+#: request fails closed with 503 instead of hanging a worker.
+PG_CONNECT_ARGS: dict[str, int] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 3,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 15_000,
+}
+
+
+def create_engine(url: str | sa.URL, **options: t.Any) -> sa.Engine:
+    """An engine with the pool and connection settings the store relies on.
+
+    Statement parameters are hidden from error messages and logs: they carry idempotency keys,
+    claim tokens and response bodies.
+
+    :param options: more :func:`sqlalchemy.create_engine` arguments (e.g. ``pool_pre_ping``).
+    """
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "sqlite":
         # Threads of one server share the file; SQLite's own locking serialises the writers.
-        return sa.create_engine(parsed, connect_args={"check_same_thread": False})
-    return sa.create_engine(parsed, pool_size=10, max_overflow=20, pool_timeout=5)
+        return sa.create_engine(
+            parsed, connect_args={"check_same_thread": False}, hide_parameters=True, **options
+        )
+    return sa.create_engine(
+        parsed,
+        pool_size=10,
+        max_overflow=20,
+        pool_timeout=5,
+        connect_args=PG_CONNECT_ARGS,
+        hide_parameters=True,
+        **options,
+    )
 
 
 def create_store(target: str | sa.URL | sa.Engine) -> SQLStore:

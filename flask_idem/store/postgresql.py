@@ -59,10 +59,10 @@ _CLAIM = (
 )
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
-_COUNT_EXPIRED_DEFAULT = sa.text(
-    f"SELECT count(*) FROM {DEFAULT_PARTITION} WHERE expires_at <= now()"  # noqa: S608
-)
-_PURGE_DEFAULT = sa.text(f"DELETE FROM {DEFAULT_PARTITION} WHERE expires_at <= now()")  # noqa: S608
+# Expired as in idempotency_claim(): past the TTL and not in progress under a held lease.
+_EXPIRED = "expires_at <= now() AND NOT (state = 'in_progress' AND lease_expires_at > now())"
+_COUNT_EXPIRED_DEFAULT = sa.text(f"SELECT count(*) FROM {DEFAULT_PARTITION} WHERE {_EXPIRED}")
+_PURGE_DEFAULT = sa.text(f"DELETE FROM {DEFAULT_PARTITION} WHERE {_EXPIRED}")
 
 
 class PostgresStore(SQLStore):

@@ -243,12 +243,23 @@ class SQLStore(Store):
         row = self._execute(statement).first
         return None if row is None else record_from_row(scope, row)
 
+    def _alive(self) -> sa.ColumnElement[bool]:
+        """A record counts until its TTL ends and, while in progress, as long as its owner
+        holds the lease: a request running past its TTL never lets a retry run again."""
+        return sa.or_(
+            table.c.expires_at > self.now(),
+            sa.and_(
+                table.c.state == State.IN_PROGRESS.value,
+                table.c.lease_expires_at > self.now(),
+            ),
+        )
+
     def _live(self, scope: Scope) -> sa.ColumnElement[bool]:
         return sa.and_(
             table.c.tenant == scope.tenant,
             table.c.endpoint == scope.endpoint,
             table.c.key == scope.key,
-            table.c.expires_at > self.now(),
+            self._alive(),
         )
 
     def _stuck(self) -> sa.ColumnElement[bool]:
@@ -269,11 +280,7 @@ class SQLStore(Store):
     def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
         statement = (
             sa.select(*self._scoped_returning())
-            .where(
-                table.c.tenant == tenant,
-                table.c.key == key,
-                table.c.expires_at > self.now(),
-            )
+            .where(table.c.tenant == tenant, table.c.key == key, self._alive())
             .order_by(table.c.created_at)
         )
         if endpoint is not None:

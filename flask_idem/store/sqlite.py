@@ -92,7 +92,7 @@ class SQLiteStore(SQLStore):
         return ClaimResult(record_from_row(scope, row), claimed=True)
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
-        expired = table.c.expires_at <= self.now()
+        expired = sa.not_(self._alive())
         with translate_errors(), self.connect() as conn:
             if dry_run:
                 count = conn.execute(

@@ -77,13 +77,16 @@ BEGIN
         hashtext(p_tenant || E'\x1f' || p_endpoint || E'\x1f' || p_key));
     -- Read the clock after the lock: a waiter never dates its row before the winner's.
     v_now := clock_timestamp();
+    -- A record is live until its TTL ends, and, while in progress, as long as its owner holds
+    -- the lease: a request still running past the TTL must never let a retry run again.
     RETURN QUERY
         SELECT false, k.fingerprint, k.state::text, k.claim_token::text, k.lease_expires_at,
                k.response_status, k.response_headers, k.response_body, k.created_at,
                k.completed_at, k.expires_at, v_now
           FROM idempotency_keys AS k
          WHERE k.tenant = p_tenant AND k.endpoint = p_endpoint AND k.key = p_key
-           AND k.expires_at > v_now
+           AND (k.expires_at > v_now
+                OR (k.state = 'in_progress' AND k.lease_expires_at > v_now))
          ORDER BY k.created_at DESC
          LIMIT 1;
     IF FOUND THEN
@@ -157,6 +160,9 @@ DECLARE
     v_day text;
     v_hi timestamptz;
     v_live boolean;
+    -- Live as in idempotency_claim(): before expiry, or in progress under a held lease.
+    v_live_query constant text := 'SELECT EXISTS (SELECT 1 FROM %I WHERE expires_at > now() '
+        'OR (state = ''in_progress'' AND lease_expires_at > now()))';
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('flask_idem'), 0);
     FOR v_name IN
@@ -169,8 +175,7 @@ BEGIN
         v_hi := (to_date(v_day, 'YYYYMMDD')::timestamp + v_step) AT TIME ZONE 'UTC';
         -- The current and future partitions still receive claims.
         CONTINUE WHEN v_hi > now();
-        EXECUTE format('SELECT EXISTS (SELECT 1 FROM %I WHERE expires_at > now())', v_name)
-            INTO v_live;
+        EXECUTE format(v_live_query, v_name) INTO v_live;
         CONTINUE WHEN v_live;
         IF NOT p_dry_run THEN
             -- Lock the parent (which locks every partition, parent first, in the order claims
@@ -183,8 +188,7 @@ BEGIN
             EXCEPTION WHEN lock_not_available THEN
                 CONTINUE;
             END;
-            EXECUTE format('SELECT EXISTS (SELECT 1 FROM %I WHERE expires_at > now())', v_name)
-                INTO v_live;
+            EXECUTE format(v_live_query, v_name) INTO v_live;
             CONTINUE WHEN v_live;
         END IF;
         IF NOT p_dry_run THEN
