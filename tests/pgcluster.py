@@ -17,8 +17,10 @@ import os
 import pwd
 import shutil
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import typing as t
 import uuid
 from pathlib import Path
@@ -69,7 +71,8 @@ def _run_as_server_user(command: list[str], **kwargs: t.Any) -> subprocess.Compl
     user = _server_user()
     if user is not None:
         command = ["runuser", "-u", user, "--", *command]
-    return subprocess.run(command, check=True, text=True, **kwargs)
+    # From "/": the server user may not be allowed into the current folder.
+    return subprocess.run(command, check=True, text=True, cwd="/", **kwargs)
 
 
 @dataclasses.dataclass
@@ -78,10 +81,16 @@ class Cluster:
 
     directory: Path
     port: int = 0
+    #: Where the server's own files live when ``directory`` is out of its reach (see start).
+    server_dir: Path | None = None
+
+    @property
+    def home(self) -> Path:
+        return self.server_dir or self.directory
 
     @property
     def datadir(self) -> Path:
-        return self.directory / "data"
+        return self.home / "data"
 
     @property
     def url(self) -> str:
@@ -96,7 +105,9 @@ class Cluster:
         state = directory / "cluster.json"
         if not state.exists():
             return None
-        return cls(directory, json.loads(state.read_text())["port"])
+        saved = json.loads(state.read_text())
+        server_dir = saved.get("server_dir")
+        return cls(directory, saved["port"], Path(server_dir) if server_dir else None)
 
     def start(self, *, durable: bool = False) -> None:
         initdb, pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
@@ -105,10 +116,14 @@ class Cluster:
         self.stop()
         self.directory.mkdir(parents=True, exist_ok=True)
         user = _server_user()
-        for path in (PG_DIR, self.directory):
+        if user is not None and not _reachable_by_all(self.directory):
+            # The server runs as another user, who cannot reach a checkout under a private
+            # folder (CI clones as root): its files go to a fresh folder under /tmp instead.
+            self.server_dir = Path(tempfile.mkdtemp(prefix="flask-idem-pg-"))
+        for path in {PG_DIR, self.directory, self.home}:
             path.chmod(0o755)
         if user is not None:
-            shutil.chown(self.directory, user)
+            shutil.chown(self.home, user)
         _run_as_server_user(
             [
                 initdb,
@@ -142,7 +157,7 @@ class Cluster:
                 "-D",
                 str(self.datadir),
                 "-l",
-                str(self.directory / "server.log"),
+                str(self.home / "server.log"),
                 "-w",
                 "-t",
                 "60",
@@ -152,7 +167,8 @@ class Cluster:
             ],
             stdout=subprocess.DEVNULL,
         )
-        self._state_file.write_text(json.dumps({"port": self.port}))
+        server_dir = str(self.server_dir) if self.server_dir else None
+        self._state_file.write_text(json.dumps({"port": self.port, "server_dir": server_dir}))
 
     def stop(self) -> None:
         pg_ctl = find_binary("pg_ctl")
@@ -162,7 +178,14 @@ class Cluster:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+        if self.server_dir is not None:
+            shutil.rmtree(self.server_dir, ignore_errors=True)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _reachable_by_all(path: Path) -> bool:
+    """Whether every folder above ``path`` lets any user through (the ``o+x`` bit)."""
+    return all(parent.stat().st_mode & stat.S_IXOTH for parent in path.resolve().parents)
 
 
 def create_database(server_url: str) -> str:
@@ -206,7 +229,7 @@ def main(argv: list[str]) -> int:
         print(f"DATABASE_URL={cluster.url}")
         return 0
     if command == "stop":
-        Cluster(cluster_dir).stop()
+        (Cluster.load(cluster_dir) or Cluster(cluster_dir)).stop()
         return 0
     if command == "url":
         cluster = Cluster.load(cluster_dir)
