@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import sqlalchemy as sa
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 
@@ -45,6 +46,7 @@ def create_app() -> Flask:
     # 500 handler defers to this one.
     app.register_error_handler(HTTPException, problems.from_http_error)
     app.register_error_handler(500, problems.from_http_error)
+    app.register_error_handler(sa.exc.OperationalError, problems.database_unavailable)
     app.before_request(authenticate)
     ratelimit.init_app(app, url)
     idem.init_app(app)

@@ -13,7 +13,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response
 
 from flask_idem import Problem
-from flask_idem.problem import InternalError
+from flask_idem.problem import InternalError, StoreUnavailableProblem
 
 
 def unauthorized() -> Problem:
@@ -93,3 +93,10 @@ def from_http_error(error: HTTPException) -> Response:
             headers=[(k, v) for k, v in error.get_headers() if k.lower() != "content-type"],
         )
     return problem.get_response()
+
+
+def database_unavailable(error: Exception) -> Response:
+    """The database went away under a view's own query (a stale pooled connection): 503."""
+    return StoreUnavailableProblem(
+        "The database cannot be reached; the request was not completed. Retry later."
+    ).get_response()
