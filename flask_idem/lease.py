@@ -25,12 +25,11 @@ log = logging.getLogger("flask_idem")
 
 @dataclasses.dataclass(eq=False)
 class Watch:
-    """One running request's lease; ``lost`` turns True if a renewal found it taken over."""
+    """One running request's lease, renewed until the request ends (``active`` turns False)."""
 
     record: Record
     lease: float
     due: float
-    lost: bool = False
     active: bool = True
 
 
@@ -93,7 +92,8 @@ class LeaseKeeper:
                 log.warning("lease renewal failed; retrying", exc_info=True)
                 renewed = True  # not lost: try again at the next tick
             if not renewed:
-                watch.lost = watch.active
+                # Taken over or finished: stop renewing. The owner's own completion is fenced
+                # by its token, so it learns of the loss there.
                 continue
             with self._condition:
                 if watch.active:
