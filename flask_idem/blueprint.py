@@ -38,7 +38,7 @@ from .problem import (
     KeyUnknown,
     StoreUnavailableProblem,
 )
-from .schemas import request_schema
+from .serialization import request_schema
 
 if t.TYPE_CHECKING:
     from .extension import Idempotency

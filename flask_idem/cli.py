@@ -21,7 +21,7 @@ from .extension import AppState
 from .keys import key_hash
 from .reconcile import Action, Settlement, reconcile
 from .record import MaintenanceReport, Record, Scope, State
-from .schemas import record_schema
+from .serialization import record_schema
 
 P = t.ParamSpec("P")
 

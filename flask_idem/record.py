@@ -11,8 +11,10 @@ import typing as t
 class State(str, enum.Enum):
     """Where a claimed operation stands.
 
-    ``in_progress`` is the only state a claim token can write to; every other state is final
-    until the record expires (or an operator or reconciler intervenes).
+    ``in_progress`` is the only state a claim token can write to. ``completed`` and
+    ``unstored`` are final until the record expires; ``unknown`` and ``reopened`` records (and
+    in-progress ones whose lease ran out) can be taken over by a retry that runs the operation
+    again as the same operation, or settled by a reconciler or an operator.
     """
 
     IN_PROGRESS = "in_progress"
@@ -23,6 +25,10 @@ class State(str, enum.Enum):
     #: The view ran but its response could not be stored (streamed or too large). The key stays
     #: taken so that a retry can never execute the operation a second time.
     UNSTORED = "unstored"
+    #: An operator released an operation that may have happened: the next retry runs it again
+    #: as the same operation (same record, so the same downstream keys), whatever its view's
+    #: ``recovery``.
+    REOPENED = "reopened"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import os
 import sqlalchemy as sa
 from alembic import context
 
-from flask_idem.schema import VERSION_TABLE, metadata
+from flask_idem.table import VERSION_TABLE, metadata
 from flask_idem.store import create_engine, normalize_url
 
 config = context.config

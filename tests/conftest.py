@@ -115,7 +115,7 @@ def scope(request: pytest.FixtureRequest) -> Scope:
 def shift(store: SQLStore, scope: Scope, seconds: float, *columns: str) -> None:
     """Move the scope's record ``seconds`` into the past (SQL, never sleep: the store reads
     the database clock)."""
-    columns = columns or ("created_at", "expires_at", "lease_expires_at")
+    columns = columns or ("created_at", "expires_at", "lease_expires_at", "completed_at")
     if store.dialect == "postgresql":
         moved = {c: f"{c} - make_interval(secs => {float(seconds)})" for c in columns}
     else:

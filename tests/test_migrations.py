@@ -1,4 +1,4 @@
-"""The migration builds what schema.py describes, and goes back down, on both databases."""
+"""The migration builds what table.py describes, and goes back down, on both databases."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from flask_idem.migrate import downgrade, upgrade
-from flask_idem.schema import TABLE_NAME, VERSION_TABLE, metadata
+from flask_idem.table import TABLE_NAME, VERSION_TABLE, metadata
 from flask_idem.store import create_engine
 
 FUNCTIONS = {
@@ -39,6 +39,10 @@ def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool
     return type_ != "table" or name == TABLE_NAME
 
 
+#: The newest revision.
+HEAD = "0002"
+
+
 def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:
     engine = create_engine(empty_url)
     try:
@@ -53,8 +57,10 @@ def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None
             )
             assert compare_metadata(context, metadata) == []
             assert conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).all() == [
-                ("0001",)
+                (HEAD,)
             ]
+            check = {c["name"]: c["sqltext"] for c in inspector.get_check_constraints(TABLE_NAME)}
+            assert "'reopened'" in check["ck_idempotency_keys_state"]
         if engine.dialect.name == "postgresql":
             assert _functions(engine) == FUNCTIONS
 

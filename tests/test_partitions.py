@@ -105,11 +105,11 @@ def test_expired_record_in_yesterdays_partition_does_not_block(
 ) -> None:
     pg_store.claim(scope, FP, ttl=60, lease=30)
     _move_to_day(pg_store, scope, -1)
-    # Expired: past its TTL, and its owner's lease has run out too.
+    # Expired: past its TTL, and its owner's lease ran out more than a TTL ago too.
     _sql(
         pg_store,
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second', "
-        "lease_expires_at = now() - interval '1 second'",
+        "lease_expires_at = created_at",
     )
     assert pg_store.claim(scope, FP, ttl=60, lease=30).claimed
 
@@ -143,7 +143,7 @@ def test_maintain_drops_only_fully_expired_partitions(pg_store: SQLStore) -> Non
     _sql(
         pg_store,
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 hour', "
-        "lease_expires_at = now() - interval '1 hour' WHERE key = 'expired'",
+        "lease_expires_at = created_at WHERE key = 'expired'",
     )
     report = pg_store.maintain(ahead=7, dry_run=True)
     assert _name(pg_store, -4) in report.dropped
@@ -160,11 +160,11 @@ def test_maintain_drops_only_fully_expired_partitions(pg_store: SQLStore) -> Non
 def test_maintain_purges_expired_rows_from_default(pg_store: SQLStore, scope: Scope) -> None:
     pg_store.claim(scope, FP, ttl=60, lease=30)
     _move_to_day(pg_store, scope, 40)
-    # Expired: past its TTL, and its owner's lease has run out too.
+    # Expired: past its TTL, and its owner's lease ran out more than a TTL ago too.
     _sql(
         pg_store,
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second', "
-        "lease_expires_at = now() - interval '1 second'",
+        "lease_expires_at = created_at",
     )
     assert pg_store.maintain(ahead=7).purged == 1
     assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys") == [(0,)]

@@ -315,7 +315,10 @@ def test_a_request_running_past_its_ttl_keeps_the_key(store: SQLStore, scope: Sc
     assert store.get(scope) is not None
     assert store.maintain(ahead=7).purged == 0
     assert store.get(scope) is not None, "upkeep never removes a record under a held lease"
+    # The TTL also counts from the end of the lease: 1 s after it the key is still taken.
     shift(store, scope, 31, "lease_expires_at")
+    assert not store.claim(scope, FP, ttl=2, lease=30).claimed, "a TTL after the lease's end"
+    shift(store, scope, 2, "lease_expires_at")
     assert store.claim(scope, FP, ttl=2, lease=30).claimed, "past TTL and lease: forgotten"
 
 

@@ -71,14 +71,23 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def take_over(self, scope: Scope, token: str, *, lease: float) -> ClaimResult | None:
-        """Take an expired lease from the owner holding ``token``; exactly one caller wins.
+        """Run the record's operation again: take an expired lease, an ``unknown`` or a
+        ``reopened`` record from the owner holding ``token``; exactly one caller wins.
 
-        :returns: the new claim, or None when the lease is live, gone or already taken over.
+        The record stays the same row (same ``created_at``), so downstream keys derived from
+        it stay the same and a deduplicating provider sees one operation.
+
+        :returns: the new claim, or None when the lease is live, or the record is gone, settled
+            or already taken over.
         """
 
     @abc.abstractmethod
     def get(self, scope: Scope) -> Record | None:
-        """Return the live (unexpired) record of the scope, if any."""
+        """Return the live record of the scope, if any.
+
+        A record is live until its TTL has passed both since its claim and since its request
+        ended (completion, unknown, or the end of its last lease).
+        """
 
     @abc.abstractmethod
     def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
@@ -96,6 +105,14 @@ class Store(abc.ABC):
         With a response the record completes (later retries replay it); with None the key is
         released. Only records that are ``unknown`` or whose lease has expired can be settled,
         never one whose owner is still alive.
+        """
+
+    @abc.abstractmethod
+    def reopen(self, scope: Scope) -> bool:
+        """Let the next retry run a stuck record's operation again as the same operation.
+
+        Only ``unknown`` records and in-progress ones past their lease can be reopened; the
+        record keeps its ``created_at`` and therefore its downstream keys.
         """
 
     @abc.abstractmethod

@@ -48,7 +48,8 @@ import typing as t
 import sqlalchemy as sa
 
 from ..record import ClaimResult, MaintenanceReport, Scope
-from ..schema import DEFAULT_PARTITION
+from ..table import DEFAULT_PARTITION
+from ..table import idempotency_keys as table
 from .sql import SQLStore, new_token, record_from_row, translate_errors
 
 # Sent as driver SQL: the hottest statement (every protected request) skips SQLAlchemy's
@@ -59,8 +60,12 @@ _CLAIM = (
 )
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
-# Expired as in idempotency_claim(): past the TTL and not in progress under a held lease.
-_EXPIRED = "expires_at <= now() AND NOT (state = 'in_progress' AND lease_expires_at > now())"
+# Live as in idempotency_claim() (migration 0002): a TTL from the claim, and a TTL from the
+# end of the request (completion, unknown, or the end of its last lease).
+_EXPIRED = (
+    "expires_at <= now() AND coalesce(completed_at, lease_expires_at, created_at) "
+    "+ (expires_at - created_at) <= now()"
+)
 _COUNT_EXPIRED_DEFAULT = sa.text(f"SELECT count(*) FROM {DEFAULT_PARTITION} WHERE {_EXPIRED}")
 _PURGE_DEFAULT = sa.text(f"DELETE FROM {DEFAULT_PARTITION} WHERE {_EXPIRED}")
 
@@ -75,6 +80,10 @@ class PostgresStore(SQLStore):
 
     def now_plus(self, seconds: float) -> sa.ColumnElement[t.Any]:
         return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, float(seconds))
+
+    def ttl_after_end(self) -> sa.ColumnElement[bool]:
+        ended = sa.func.coalesce(table.c.completed_at, table.c.lease_expires_at, table.c.created_at)
+        return ended + (table.c.expires_at - table.c.created_at) > sa.func.now()
 
     @contextlib.contextmanager
     def connect(self) -> t.Iterator[sa.Connection]:

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from ..errors import StoreUnavailable
 from ..record import ClaimResult, Record, Scope, State, StoredResponse
-from ..schema import idempotency_keys as table
+from ..table import idempotency_keys as table
 from .base import Store
 
 #: Columns read back for a record, in a fixed order shared with the claim function.
@@ -98,6 +98,15 @@ class SQLStore(Store):
     def connect(self) -> t.ContextManager[sa.Connection]:
         """A connection for one primitive; it commits when the block exits."""
 
+    @abc.abstractmethod
+    def ttl_after_end(self) -> sa.ColumnElement[bool]:
+        """True while the record's TTL, counted from the end of its request, has not passed.
+
+        The end is ``completed_at`` (completed or unstored records) or ``lease_expires_at``
+        (in progress: when the lease runs out; unknown or reopened: when that was decided);
+        the TTL is ``expires_at - created_at``, as set by the claim.
+        """
+
     def _db_now(self) -> sa.ColumnElement[t.Any]:
         return sa.type_coerce(self.now(), sa.DateTime(timezone=True)).label("db_now")
 
@@ -157,10 +166,11 @@ class SQLStore(Store):
 
     @functools.cached_property
     def _unknown_statement(self) -> sa.Update:
+        # The lease ends now: the record's TTL counts from here (see ``ttl_after_end``).
         return (
             table.update()
             .where(self._owned())
-            .values(state=State.UNKNOWN.value, lease_expires_at=None)
+            .values(state=State.UNKNOWN.value, lease_expires_at=self.now())
         )
 
     def _execute(
@@ -219,15 +229,29 @@ class SQLStore(Store):
 
     def take_over(self, scope: Scope, token: str, *, lease: float) -> ClaimResult | None:
         # Row locking makes this exactly-one-winner: a concurrent UPDATE re-checks the WHERE
-        # clause against the row the winner wrote, whose token no longer matches.
+        # clause against the row the winner wrote, whose token no longer matches. The row (so
+        # its ``created_at``, so its downstream keys) stays the same: one logical operation.
         statement = (
             table.update()
             .where(
-                self._owned(),
-                table.c.lease_expires_at <= self.now(),
-                table.c.expires_at > self.now(),
+                table.c.tenant == sa.bindparam("p_tenant"),
+                table.c.endpoint == sa.bindparam("p_endpoint"),
+                table.c.key == sa.bindparam("p_key"),
+                table.c.claim_token == sa.bindparam("p_token"),
+                sa.or_(
+                    table.c.state.in_([State.UNKNOWN.value, State.REOPENED.value]),
+                    sa.and_(
+                        table.c.state == State.IN_PROGRESS.value,
+                        table.c.lease_expires_at <= self.now(),
+                    ),
+                ),
+                self._alive(),
             )
-            .values(claim_token=new_token(), lease_expires_at=self.now_plus(lease))
+            .values(
+                state=State.IN_PROGRESS.value,
+                claim_token=new_token(),
+                lease_expires_at=self.now_plus(lease),
+            )
             .returning(*self._returning())
         )
         row = self._execute(statement, self._owner(scope, token, None)).first
@@ -244,15 +268,10 @@ class SQLStore(Store):
         return None if row is None else record_from_row(scope, row)
 
     def _alive(self) -> sa.ColumnElement[bool]:
-        """A record counts until its TTL ends and, while in progress, as long as its owner
-        holds the lease: a request running past its TTL never lets a retry run again."""
-        return sa.or_(
-            table.c.expires_at > self.now(),
-            sa.and_(
-                table.c.state == State.IN_PROGRESS.value,
-                table.c.lease_expires_at > self.now(),
-            ),
-        )
+        """A record counts for its TTL from its claim and for its TTL from the end of its
+        request: a request running past its TTL never lets a retry run it again, and its
+        answer (or its unknown outcome) stays for a whole TTL after it exists."""
+        return sa.or_(table.c.expires_at > self.now(), self.ttl_after_end())
 
     def _live(self, scope: Scope) -> sa.ColumnElement[bool]:
         return sa.and_(
@@ -263,8 +282,9 @@ class SQLStore(Store):
         )
 
     def _stuck(self) -> sa.ColumnElement[bool]:
+        """Unknown, or in progress past the lease: nobody owns the outcome."""
         return sa.and_(
-            table.c.expires_at > self.now(),
+            self._alive(),
             sa.or_(
                 table.c.state == State.UNKNOWN.value,
                 sa.and_(
@@ -311,6 +331,14 @@ class SQLStore(Store):
                 completed_at=self.now(),
                 lease_expires_at=None,
             )
+        )
+        return self._execute(statement).rowcount == 1
+
+    def reopen(self, scope: Scope) -> bool:
+        statement = (
+            table.update()
+            .where(self._live(scope), self._stuck())
+            .values(state=State.REOPENED.value, lease_expires_at=self.now())
         )
         return self._execute(statement).rowcount == 1
 

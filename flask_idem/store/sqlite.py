@@ -13,7 +13,7 @@ import typing as t
 import sqlalchemy as sa
 
 from ..record import ClaimResult, MaintenanceReport, Scope, State
-from ..schema import idempotency_keys as table
+from ..table import idempotency_keys as table
 from .sql import SQLStore, new_token, record_from_row, translate_errors
 
 # The database clock, in the text layout SQLAlchemy uses for DateTime on SQLite (so that string
@@ -62,6 +62,13 @@ class SQLiteStore(SQLStore):
 
     def now_plus(self, seconds: float) -> sa.ColumnElement[t.Any]:
         return sa.literal_column(_CLOCK.format(modifier=f", '{float(seconds):+f} seconds'"))
+
+    def ttl_after_end(self) -> sa.ColumnElement[bool]:
+        julianday = sa.func.julianday
+        ended = sa.func.coalesce(table.c.completed_at, table.c.lease_expires_at, table.c.created_at)
+        return julianday(ended) + julianday(table.c.expires_at) - julianday(
+            table.c.created_at
+        ) > julianday("now")
 
     def connect(self) -> t.ContextManager[sa.Connection]:
         return self.engine.begin()

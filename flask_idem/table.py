@@ -48,7 +48,7 @@ idempotency_keys = sa.Table(
     # not the guard against a second claim.
     sa.PrimaryKeyConstraint("tenant", "endpoint", "key", "created_at"),
     sa.CheckConstraint(
-        "state IN ('in_progress', 'completed', 'unknown', 'unstored')", name="state"
+        "state IN ('in_progress', 'completed', 'unknown', 'unstored', 'reopened')", name="state"
     ),
     sa.Index(None, "expires_at"),
     postgresql_partition_by="RANGE (created_at)",
