@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from . import signals
 from .errors import ConfigurationError, IdempotencyError, StoreUnavailable
-from .extension import Idempotency, ViewOptions
+from .extension import Idempotency
 from .keys import derive_key
+from .options import ViewOptions
 from .problem import Problem
 from .reconcile import Settlement, Verdict
 from .record import ClaimResult, MaintenanceReport, Record, Scope, State, StoredResponse

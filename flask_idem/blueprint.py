@@ -29,7 +29,6 @@ from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException
 
 from .errors import StoreUnavailable
-from .extension import AppState
 from .keys import InvalidKey, normalize, read_key
 from .problem import (
     AuthenticationRequired,
@@ -39,6 +38,7 @@ from .problem import (
     StoreUnavailableProblem,
 )
 from .serialization import request_schema
+from .state import AppState
 
 if t.TYPE_CHECKING:
     from .extension import Idempotency

@@ -17,11 +17,11 @@ import click
 from flask.cli import AppGroup
 
 from .errors import IdempotencyError
-from .extension import AppState
 from .keys import key_hash
 from .reconcile import Action, Settlement, reconcile
 from .record import MaintenanceReport, Record, Scope, State
 from .serialization import record_schema
+from .state import AppState
 
 P = t.ParamSpec("P")
 
@@ -296,7 +296,8 @@ def _age(record: Record) -> str:
 
 
 def _lease(record: Record) -> str:
-    if record.lease_expires_at is None:
+    # Unknown and reopened records keep the time their lease ended, for their TTL only.
+    if record.lease_expires_at is None or record.state is not State.IN_PROGRESS:
         return "-"
     return f"expired {_duration((record.now - record.lease_expires_at).total_seconds())} ago"
 

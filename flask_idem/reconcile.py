@@ -32,9 +32,10 @@ from flask import Flask, current_app
 from flask.typing import ResponseReturnValue
 
 from .errors import ConfigurationError
-from .extension import AppState, response_snapshot
+from .flow import response_snapshot
 from .keys import key_hash
 from .record import Record, StoredResponse
+from .state import AppState
 
 log = logging.getLogger("flask_idem")
 

@@ -41,11 +41,13 @@ def _payment(row: t.Any) -> dict[str, t.Any]:
     }
 
 
-# ``reexecute``: if a worker dies mid-request, a retry after the lease expired runs the view
-# again. Safe because the provider deduplicates on the downstream key, and the payment row
-# commits only together with the stored response.
+# ``reexecute``: when the first attempt's outcome is unknown (its worker died, the provider
+# call failed after charging), a retry runs the view again as the same operation: the
+# provider deduplicates on the downstream key, and the payment row commits only together
+# with the stored response. ``declares_effects``: the view asks for its downstream key before
+# it calls the provider, so a failure before that (``cus_crash``) gives the key back.
 @bp.post("/payments")
-@idem.idempotent(exclude=["client_ts"], recovery="reexecute")
+@idem.idempotent(exclude=["client_ts"], recovery="reexecute", declares_effects=True)
 def create_payment() -> Response:
     body = load_body(PaymentSchema())
     if body["customer"] == CRASH_CUSTOMER:
@@ -108,7 +110,7 @@ def get_payment(payment_id: str) -> Response:
 # Every write of this view is in the transaction committed with the stored response, so a
 # worker that died mid-request left nothing behind and re-running it is safe.
 @bp.post("/payments/<payment_id>/refunds")
-@idem.idempotent(recovery="reexecute")
+@idem.idempotent(recovery="reexecute", declares_effects=True)
 def create_refund(payment_id: str) -> Response:
     body = load_body(RefundSchema())
     conn = idem.connection()

@@ -1,0 +1,532 @@
+"""The request state machine of a protected endpoint, top to bottom.
+
+A protected view is *guarded*: the claim runs when Flask dispatches to the view, so after every
+``before_request`` hook (authentication, rate limits) and after every decorator above
+``@idem.idempotent`` (authorization): nothing is replayed, and no 409 or 422 is answered, to a
+caller the view would refuse. Then:
+
+``enter``   read the key (400), resolve the tenant, fingerprint the request, claim; a record
+            already holding the key answers instead of the view (``answer_existing``);
+``run``     the view runs; an exception it raises marks the request *crashed*, whatever error
+            handler renders it afterwards (a raised ``HTTPException`` is an answer, not a crash);
+``finish``  (``after_request``) store the snapshot, committed with the business transaction,
+            or give the key up;
+``teardown`` a request that never reached ``finish`` (``SystemExit`` from gunicorn's worker
+            timeout or SIGQUIT/SIGINT, ``KeyboardInterrupt``, propagated exceptions) gives up.
+
+Giving up rolls the business transaction back, then *releases* the key only when the attempt
+provably committed nothing: the view declared its effects (``declares_effects=True``) and had
+not yet declared contact with the outside world (``idem.downstream_key()`` or
+``idem.side_effect()``). Every other failure leaves the key ``unknown``, never free.
+
+The outcome table (the behaviour contract; README mirrors it):
+
+=============================================  =========================  ======================
+How the attempt ended                          The key afterwards         What a retry gets
+=============================================  =========================  ======================
+a response (returned, or a raised              completed (snapshot and    the stored response,
+``HTTPException``), status storable            business rows commit       ``Idempotent-Replayed``
+                                               together)
+a never-stored status (``NEVER_STORE``),       released if releasable,    released: runs again;
+an exception (even one an error handler        else ``unknown``; the      ``unknown``: see below
+renders), ``SystemExit``, ``KeyboardInterrupt``  business txn rolls back
+killed (kill -9, OOM)                          in progress, then stuck    409 ``request-in-
+                                               when its lease runs out    progress``, then below
+the store fails while storing                  released if releasable,    503; then as released
+                                               else ``unknown`` (best     or ``unknown``
+                                               effort)
+streamed or larger than ``MAX_BODY``           ``unstored``               409 ``response-not-
+                                                                          stored``
+lost its lease to a takeover                   the taker's                409 ``request-in-
+                                                                          progress``
+=============================================  =========================  ======================
+
+An ``unknown`` record (or one in progress past its lease) is re-run by a retry only on a
+``recovery="reexecute"`` view, as a fenced takeover of the same record: one winner, and the
+same downstream keys, so a deduplicating provider sees one operation. On ``recovery="fail"``
+views it answers 409 ``outcome-pending`` until a reconciler or an operator settles it; an
+operator's release (``reopened``) lets the next retry re-run it, with the same downstream keys.
+
+A record stays live for its TTL from its claim and for its TTL from the end of its request, so
+an answer that took longer than the TTL still replays for a whole TTL.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+import typing as t
+
+import sqlalchemy as sa
+from flask import current_app, request
+from flask.typing import ResponseReturnValue
+from werkzeug.exceptions import HTTPException, InternalServerError
+from werkzeug.wrappers import Response
+
+from . import signals
+from .config import Settings
+from .errors import StoreUnavailable
+from .fingerprint import fingerprint as canonical_fingerprint
+from .keys import InvalidKey, echo_of_invalid, key_hash, read_key
+from .options import ViewOptions
+from .problem import (
+    InternalError,
+    KeyInvalid,
+    KeyMissing,
+    KeyReused,
+    OutcomePending,
+    Problem,
+    RequestInProgress,
+    ResponseNotStored,
+    StoreUnavailableProblem,
+    TenantUnresolved,
+)
+from .record import ClaimResult, Record, Scope, State, StoredResponse
+from .state import AppState, RequestState
+from .store.sql import translate_errors
+
+P = t.ParamSpec("P")
+R = t.TypeVar("R")
+
+_WAIT_STEP = 0.05
+#: 409 ``request-in-progress`` hints this many seconds: the lease says when an owner counts
+#: as gone, not when it finishes, and most requests finish within a second.
+IN_FLIGHT_RETRY_AFTER = 1
+#: Marks a guarded view function (also on wrappers that copied its ``__dict__``).
+GUARDED_ATTRIBUTE = "__idempotency_guarded__"
+
+log = logging.getLogger("flask_idem")
+
+
+def guard(view: t.Callable[P, R]) -> t.Callable[P, R]:
+    """Wrap a view so that protected requests claim at dispatch and crashes are seen."""
+
+    @functools.wraps(view)
+    def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+        return t.cast(R, enter(view, args, kwargs))
+
+    setattr(guarded, GUARDED_ATTRIBUTE, True)
+    return guarded
+
+
+# -- enter: claim, or answer from the existing record ---------------------------------------
+
+
+def enter(view: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseReturnValue:
+    app_state = AppState.current()
+    call = current_app.ensure_sync(view)
+    state = RequestState.current()
+    if state is not None and state.scope is not None:
+        return t.cast(ResponseReturnValue, call(*args, **kwargs))  # an outer guard claimed
+    options = app_state.extension.options_for(app_state.settings)
+    if options is None:
+        return t.cast(ResponseReturnValue, call(*args, **kwargs))
+    answer = claim(app_state, options)
+    if answer is not None:
+        return answer
+    return run(call, args, kwargs)
+
+
+def claim(app_state: AppState, options: ViewOptions) -> Response | None:
+    """Take the key for this request, or answer from the record that holds it.
+
+    :returns: None when the view may run (the key is ours, or the request carries no key and
+        does not need one); otherwise the replayed response. Problems are raised.
+    """
+    settings = app_state.settings
+    try:
+        key = read_key(request.headers, settings.headers)
+    except InvalidKey as exc:
+        echo = echo_of_invalid(request.headers, settings.headers)
+        _start(RequestState(None, options, echo=echo))
+        raise KeyInvalid(str(exc)) from None
+    if key is None:
+        required = settings.key_required if options.required is None else options.required
+        if required:
+            raise KeyMissing(f"This endpoint requires an {settings.header} header.")
+        return None
+    assert request.url_rule is not None
+    scope = Scope(_tenant(app_state), f"{request.method} {request.url_rule.rule}", key)
+    state = _start(RequestState(scope, options))
+    digest = _fingerprint(options)
+    ttl = options.ttl or settings.ttl
+    deadline = time.monotonic() + settings.wait
+    while True:
+        try:
+            result: ClaimResult | Response | None = app_state.store.claim(
+                scope, digest, ttl=ttl, lease=settings.lease
+            )
+            assert isinstance(result, ClaimResult)
+            if not result.claimed:
+                result = answer_existing(app_state, result.record, digest, options, deadline)
+        except StoreUnavailable:
+            log.error("idempotency store unavailable", extra={"key_hash": key_hash(scope)})
+            raise StoreUnavailableProblem(
+                "The idempotency store cannot be reached; the request was not executed."
+            ) from None
+        if isinstance(result, Response):
+            return result
+        if result is not None:
+            _own(app_state, state, result)
+            return None
+
+
+def answer_existing(
+    app_state: AppState, record: Record, digest: bytes, options: ViewOptions, deadline: float
+) -> ClaimResult | Response | None:
+    """What a claim that found a record leads to: a problem (raised), a replay, a takeover to
+    run the view with, or None to claim again after a short wait."""
+    if record.fingerprint != digest:
+        _emit(signals.mismatch, record.scope)
+        raise KeyReused(
+            "This idempotency key was already used with a different request; "
+            "use a new key for a new operation."
+        )
+    if record.state is State.COMPLETED:
+        assert record.response is not None
+        _emit(signals.replayed, record.scope, status=record.response.status)
+        return replay(record.response, options)
+    if record.state is State.UNSTORED:
+        raise ResponseNotStored(
+            "The original request completed but its response was too large or streamed "
+            "to be stored; it cannot be replayed."
+        )
+    if record.state is State.IN_PROGRESS and not record.lease_expired:
+        if time.monotonic() < deadline:
+            time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
+            return None
+        _emit(signals.conflict, record.scope)
+        raise RequestInProgress(
+            "A request with this idempotency key is still being processed; retry later.",
+            retry_after=IN_FLIGHT_RETRY_AFTER,
+        )
+    # Unknown, reopened, or in progress past the lease: nobody owns the outcome.
+    if record.state is not State.REOPENED and options.recovery != "reexecute":
+        raise OutcomePending(
+            "The original request may have taken effect but its outcome is not known; it "
+            "will not be executed again automatically and is being reconciled."
+        )
+    assert record.claim_token is not None
+    # One winner: a loser claims again and finds the winner's record in progress.
+    return app_state.store.take_over(
+        record.scope, record.claim_token, lease=app_state.settings.lease
+    )
+
+
+def replay(stored: StoredResponse, options: ViewOptions) -> Response:
+    """The answer to a retry: the stored response byte for byte, or the view's ``replay=``."""
+    if options.replay is not None:
+        response = current_app.make_response(options.replay(stored))
+    else:
+        response = current_app.response_class(stored.body, status=stored.status)
+        del response.headers["Content-Type"]
+        for name, value in stored.headers:
+            response.headers.add(name, value)
+    response.headers["Idempotent-Replayed"] = "true"
+    return response
+
+
+def _start(state: RequestState) -> RequestState:
+    """Attach the request's state, keeping a business transaction opened before the claim."""
+    earlier = RequestState.current()
+    if earlier is not None:
+        state.connection = earlier.connection
+    state.attach()
+    return state
+
+
+def _own(app_state: AppState, state: RequestState, claim: ClaimResult) -> None:
+    assert state.scope is not None
+    state.token = claim.token
+    state.record = claim.record
+    state.watch = app_state.keeper.watch(claim.record, app_state.settings.lease)
+    _emit(signals.claimed, state.scope)
+
+
+def _tenant(app_state: AppState) -> str:
+    tenant = app_state.extension.current_tenant()
+    if tenant is None:
+        log.error("protected request without a tenant: configure Idempotency(tenant=...)")
+        raise TenantUnresolved(
+            "The server could not tell whose request this is, so it refuses to run it."
+        )
+    return tenant
+
+
+def _fingerprint(options: ViewOptions) -> bytes:
+    if options.fingerprint is not None:
+        value = options.fingerprint(request)
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        return hashlib.sha256(b"custom\x00" + data).digest()
+    assert request.url_rule is not None
+    return canonical_fingerprint(
+        request.method,
+        request.url_rule.rule,
+        request.view_args or {},
+        request.args.items(multi=True),
+        request.get_data(cache=True),
+        request.content_type,
+        exclude=options.exclude,
+        include=options.include,
+    )
+
+
+# -- run: the view, with its exceptions seen ------------------------------------------------
+
+
+def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseReturnValue:
+    try:
+        return t.cast(ResponseReturnValue, call(*args, **kwargs))
+    except HTTPException:
+        raise  # abort(404), raise Problem(...): an answer like a returned one
+    except BaseException:
+        # A crash, also when an application error handler turns it into a response.
+        state = RequestState.current()
+        if state is not None:
+            state.crashed = True
+        raise
+
+
+# -- finish: store the answer, or give the key up -------------------------------------------
+
+
+def finish(response: Response) -> Response:
+    """``after_request``: complete the record with the response, or give up."""
+    state = RequestState.current()
+    app_state = AppState.current()
+    if state is None:
+        _echo_unclaimed(app_state, response)
+        return response
+    echo = state.scope.key if state.scope is not None else state.echo
+    if echo is not None:
+        response.headers[app_state.settings.header] = echo
+    if state.finished:
+        return response
+    if state.token is None:
+        _commit(state)  # idem.connection() in an unprotected request
+        return response
+    _stop_watching(app_state, state)
+    if state.crashed:
+        give_up(app_state, state, "the view raised an exception")
+        return response
+    if response.status_code in app_state.settings.never_store:
+        give_up(app_state, state, f"status {response.status_code} is never stored")
+        return response
+    return _complete(app_state, state, response)
+
+
+def response_snapshot(settings: Settings, response: Response) -> StoredResponse | None:
+    """The replayable part of a response, or None when it cannot be stored.
+
+    A streamed body is buffered when it declares a length within the limit: an
+    ``HTTPException`` raised in a view (``abort(404)``, a :class:`Problem`) reaches us as such
+    a response. A stream of unknown length, or a file passed through, is never buffered.
+    """
+    if response.direct_passthrough:
+        return None
+    length = response.content_length
+    if response.is_streamed and (length is None or length > settings.max_body):
+        return None
+    body = response.get_data()
+    if len(body) > settings.max_body:
+        return None
+    headers = tuple(
+        (name, value)
+        for name, value in response.headers.items()
+        if name.lower() in settings.stored_headers
+    )
+    return StoredResponse(response.status_code, headers, body)
+
+
+def _complete(app_state: AppState, state: RequestState, response: Response) -> Response:
+    assert state.scope is not None and state.token is not None
+    snapshot = response_snapshot(app_state.settings, response)
+    try:
+        stored = app_state.store.complete(
+            state.scope,
+            state.token,
+            snapshot,
+            connection=state.connection,
+            created_at=_created_at(state),
+        )
+        if state.connection is not None:
+            with translate_errors():
+                if stored:
+                    state.connection.commit()
+                else:
+                    state.connection.rollback()
+    except StoreUnavailable:
+        return _store_failed(app_state, state, response)
+    state.finished = True
+    if not stored:
+        # The lease expired and a retry took the record over: this request's writes in the
+        # business transaction are rolled back and the operation belongs to the new owner.
+        log.warning("lease lost before completion", extra={"key_hash": key_hash(state.scope)})
+        return _problem_response(
+            app_state,
+            state,
+            RequestInProgress(
+                "This request lost its claim on the idempotency key to a retry; retry to get "
+                "the result.",
+                retry_after=IN_FLIGHT_RETRY_AFTER,
+            ),
+        )
+    _emit(signals.completed, state.scope, status=response.status_code, stored=snapshot is not None)
+    if snapshot is None:
+        log.warning(
+            "response not stored (streamed or larger than IDEMPOTENCY_MAX_BODY); "
+            "retries get 409 response-not-stored",
+            extra={"key_hash": key_hash(state.scope)},
+        )
+    return response
+
+
+def _store_failed(app_state: AppState, state: RequestState, response: Response) -> Response:
+    """The view answered but its result could not be recorded: tell the truth."""
+    assert state.scope is not None
+    log.error("could not store the response", extra={"key_hash": key_hash(state.scope)})
+    if state.connection is None:
+        # The view's effects happened outside our transaction: the key must stay taken, and
+        # the client still learns what happened.
+        state.contacted = True
+        give_up(app_state, state, "the store failed after the view ran")
+        return response
+    released = state.releasable
+    give_up(app_state, state, "the store failed before the commit")
+    detail = (
+        "The idempotency store failed before the result was committed; nothing was changed. "
+        "Retry with the same key."
+        if released
+        else "The idempotency store failed before the result was recorded. The operation may "
+        "have taken effect outside this service; retry with the same key, never a new one."
+    )
+    return _problem_response(app_state, state, StoreUnavailableProblem(detail))
+
+
+def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
+    """Roll the business transaction back; release the key only when the attempt provably
+    committed nothing, else mark it ``unknown``."""
+    assert state.scope is not None and state.token is not None
+    state.finished = True
+    _stop_watching(app_state, state)
+    _rollback(state)
+    store = app_state.store
+    digest = key_hash(state.scope)
+    try:
+        if state.releasable:
+            store.release(state.scope, state.token, created_at=_created_at(state))
+            _emit(signals.released, state.scope, reason=reason)
+        else:
+            store.mark_unknown(state.scope, state.token, created_at=_created_at(state))
+            _emit(signals.unknown, state.scope, reason=reason)
+            log.warning("outcome unknown: %s", reason, extra={"key_hash": digest})
+    except StoreUnavailable:
+        # The lease runs out on its own; the record then counts as unknown, never free.
+        log.error("could not give the key up: %s", reason, extra={"key_hash": digest})
+
+
+# -- teardown: a request that never answered -------------------------------------------------
+
+
+def teardown(exc: BaseException | None) -> None:
+    """``teardown_request``: give up a claim the request never finished (``SystemExit`` from
+    gunicorn's worker timeout or SIGQUIT, ``KeyboardInterrupt``, a propagated exception)."""
+    state = RequestState.current()
+    if state is None:
+        return
+    try:
+        if state.token is not None and not state.finished:
+            give_up(AppState.current(), state, "the request ended without an answer")
+    finally:
+        if state.connection is not None:
+            state.connection.close()
+        RequestState.detach()
+
+
+# -- answers rendered by the extension's error handlers -------------------------------------
+
+
+def internal_error(error: InternalServerError) -> ResponseReturnValue:
+    """Unhandled exceptions in protected views answer a problem document, not HTML."""
+    state = RequestState.current()
+    if state is None or state.scope is None:
+        return error
+    return InternalError(
+        "The server failed while processing the request. "
+        + (
+            "Nothing was recorded for this key; retry with the same key."
+            if state.releasable or state.token is None
+            else "It may have had an effect; retry with the same key, never a new one."
+        )
+    ).get_response()
+
+
+def store_unavailable(error: StoreUnavailable) -> ResponseReturnValue:
+    log.error("idempotency store unavailable during the request: %s", error)
+    return StoreUnavailableProblem(
+        "The database cannot be reached; the request was not completed. Retry later."
+    ).get_response()
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _echo_unclaimed(app_state: AppState, response: Response) -> None:
+    """Echo the key on a protected endpoint's answers that came before the claim (an
+    authentication hook, a rate limit, an authorization decorator)."""
+    settings = app_state.settings
+    if app_state.extension.options_for(settings) is None:
+        return
+    try:
+        key = read_key(request.headers, settings.headers)
+    except InvalidKey:
+        key = echo_of_invalid(request.headers, settings.headers)
+    if key is not None:
+        response.headers[settings.header] = key
+
+
+def _emit(signal: t.Any, scope: Scope, **extra: t.Any) -> None:
+    """Send a signal with the app as sender and the scope as tenant, endpoint and key hash."""
+    if not signal.receivers:
+        return  # the common case: nobody listens, so skip hashing the key
+    signal.send(
+        current_app._get_current_object(),  # type: ignore[attr-defined]
+        tenant=scope.tenant,
+        endpoint=scope.endpoint,
+        key_hash=key_hash(scope),
+        **extra,
+    )
+
+
+def _problem_response(app_state: AppState, state: RequestState, problem: Problem) -> Response:
+    response = problem.get_response()
+    if state.scope is not None:
+        response.headers[app_state.settings.header] = state.scope.key
+    return response
+
+
+def _created_at(state: RequestState) -> t.Any:
+    # Tells PostgreSQL which partition holds the record (see ``Store.complete``).
+    return None if state.record is None else state.record.created_at
+
+
+def _stop_watching(app_state: AppState, state: RequestState) -> None:
+    if state.watch is not None:
+        app_state.keeper.unwatch(state.watch)
+        state.watch = None
+
+
+def _commit(state: RequestState) -> None:
+    if state.connection is not None:
+        with translate_errors():
+            state.connection.commit()
+
+
+def _rollback(state: RequestState) -> None:
+    if state.connection is not None:
+        try:
+            state.connection.rollback()
+        except sa.exc.SQLAlchemyError:
+            log.warning("rollback of the business transaction failed", exc_info=True)

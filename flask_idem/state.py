@@ -1,0 +1,86 @@
+"""Per-application and per-request state, importable by every module of the package.
+
+``init_app`` keeps an :class:`AppState` in ``app.extensions["idempotency"]``; the request flow
+keeps a :class:`RequestState` on ``flask.g``. This module imports nothing above the store, so
+the CLI, the blueprint, reconcilers and the flow can all use it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing as t
+
+import sqlalchemy as sa
+from flask import current_app, g
+
+from .config import Settings
+from .lease import LeaseKeeper, Watch
+from .options import ViewOptions
+from .record import Record, Scope
+from .store import Store
+
+if t.TYPE_CHECKING:
+    from .extension import Idempotency
+
+EXTENSION_NAME = "idempotency"
+_REQUEST_STATE = "_flask_idem"
+
+
+@dataclasses.dataclass
+class AppState:
+    """What ``init_app`` keeps per application in ``app.extensions["idempotency"]``."""
+
+    extension: Idempotency
+    settings: Settings
+    store: Store
+    keeper: LeaseKeeper
+
+    @classmethod
+    def current(cls) -> AppState:
+        """The state of ``current_app`` (for hooks, the CLI, the blueprint and reconcilers)."""
+        return t.cast(AppState, current_app.extensions[EXTENSION_NAME])
+
+
+@dataclasses.dataclass
+class RequestState:
+    """One protected request's progress through the state machine (kept on ``flask.g``)."""
+
+    scope: Scope | None
+    options: ViewOptions | None
+    token: str | None = None
+    #: The record this request owns (claimed or taken over).
+    record: Record | None = None
+    watch: Watch | None = None
+    connection: sa.Connection | None = None
+    #: The view declared contact with the outside world (``downstream_key``, ``side_effect``).
+    contacted: bool = False
+    #: The view raised (whoever rendered the exception afterwards).
+    crashed: bool = False
+    finished: bool = False
+    #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``).
+    echo: str | None = None
+
+    @property
+    def releasable(self) -> bool:
+        """Whether a failure now provably committed nothing, so the key may be given back."""
+        return self.options is not None and self.options.declares_effects and not self.contacted
+
+    @classmethod
+    def current(cls) -> RequestState | None:
+        return t.cast("RequestState | None", g.get(_REQUEST_STATE))
+
+    @classmethod
+    def ensure(cls) -> RequestState:
+        """The request's state, created unprotected (for ``idem.connection()`` in any view)."""
+        state = cls.current()
+        if state is None:
+            state = cls(scope=None, options=None)
+            state.attach()
+        return state
+
+    def attach(self) -> None:
+        setattr(g, _REQUEST_STATE, self)
+
+    @staticmethod
+    def detach() -> None:
+        g.pop(_REQUEST_STATE, None)
