@@ -165,42 +165,72 @@ def show(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
 @click.argument("key")
 @click.option("--tenant", required=True, help="The tenant the key belongs to.")
 @click.option("--endpoint", required=True, help='As records spell it: "POST /v1/payments".')
+@click.option(
+    "--not-happened",
+    is_flag=True,
+    help="You checked that the operation did not take place: forget the record, so that a "
+    "retry runs a new operation (new downstream keys).",
+)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @json_option
 @_store_errors
-def release(key: str, tenant: str, endpoint: str, yes: bool, as_json: bool) -> None:
-    """Delete the record of KEY, so that a retry executes afresh.
+def release(
+    key: str, tenant: str, endpoint: str, not_happened: bool, yes: bool, as_json: bool
+) -> None:
+    """Let a retry of KEY run its operation again.
 
-    For records an operator has settled by hand. Prefer flask idem reconcile.
+    A stuck record (unknown, or in progress past its lease) is reopened: the next retry runs
+    the view again as the same operation, with the same downstream keys, so a provider that
+    deduplicates on them charges once. With --not-happened the record is forgotten instead.
+    Prefer flask idem reconcile, which asks the endpoint's reconciler.
     """
     state = AppState.current()
     scope = Scope(tenant, endpoint, key)
     record = state.store.get(scope)
     if record is None:
         raise click.ClickException("no live record of this key for this tenant and endpoint")
+    stuck = record.state is State.UNKNOWN or record.lease_expired
+    if not not_happened and not stuck:
+        raise click.ClickException(_refusal(record))
     if not yes:
         click.echo(
             f"{endpoint} for {tenant}, key hash {key_hash(scope)}: {record.state.value}, "
-            f"{_age(record)} old. {_consequence(record)}",
+            f"{_age(record)} old. {_consequence(record, not_happened)}",
             err=True,
         )
         click.confirm("Release this key?", abort=True, err=True)
-    if not state.store.evict(scope):
-        raise click.ClickException("the record expired or was removed meanwhile")
+    done = state.store.evict(scope) if not_happened else state.store.reopen(scope)
+    if not done:
+        raise click.ClickException("the record changed or expired meanwhile; look again")
+    action = "released" if not_happened else "reopened"
     if as_json:
         released = record_schema(bodies=False, keys=False).dump(record)
-        _print_json({"released": True, "record": released})
+        _print_json({"released": True, "action": action, "record": released})
     else:
-        click.echo(f"released {endpoint} for {tenant}, key hash {key_hash(scope)}")
+        click.echo(f"{action} {endpoint} for {tenant}, key hash {key_hash(scope)}")
 
 
-def _consequence(record: Record) -> str:
-    """What releasing this record risks, for the confirmation prompt."""
-    if record.state is State.COMPLETED or record.state is State.UNSTORED:
+def _refusal(record: Record) -> str:
+    """Why a record that is not stuck is not reopened."""
+    if record.state is State.IN_PROGRESS:
+        return "Its request is still running (its lease is held): wait for it."
+    if record.state is State.REOPENED:
+        return "It is already reopened: the next retry runs it."
+    return (
+        f"Its operation is {record.state.value}: releasing it would run it a second time. "
+        "Pass --not-happened only if you know it did not take place."
+    )
+
+
+def _consequence(record: Record, not_happened: bool) -> str:
+    """What releasing this record leads to, for the confirmation prompt."""
+    if not not_happened:
+        return "The next retry runs it again as the same operation (same downstream keys)."
+    if record.state in (State.COMPLETED, State.UNSTORED):
         return "The operation completed: a retry will execute it a second time."
-    if record.state is State.UNKNOWN or record.lease_expired:
-        return "The operation may have happened: a retry will execute it again."
-    return "Its request is still running: a retry will execute the operation concurrently."
+    if record.state is State.IN_PROGRESS and not record.lease_expired:
+        return "Its request is still running: a retry will execute the operation concurrently."
+    return "The operation may have happened: a retry will execute it again."
 
 
 @idem_group.command("reconcile")

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import typing as t
 
 from flask import g, request
 
 from . import problems
 
+P = t.ParamSpec("P")
+R = t.TypeVar("R")
+
 #: API key -> tenant. A real service would look hashed keys up in its database.
-API_KEYS = {"sk_test_alpha": "alpha", "sk_test_beta": "beta"}
+API_KEYS = {"sk_test_alpha": "alpha", "sk_test_beta": "beta", "sk_test_alpha_read": "alpha"}
+#: What each API key may do (keys not listed may do everything).
+PERMISSIONS = {"sk_test_alpha_read": frozenset({"payments:read"})}
 
 
 def authenticate() -> None:
@@ -24,6 +31,7 @@ def authenticate() -> None:
     if token is None or tenant is None:
         raise problems.unauthorized()
     g.tenant = tenant
+    g.permissions = PERMISSIONS.get(token)
     # The rate limiter stores its bucket names in the database: never the secret itself.
     g.api_key_id = hashlib.sha256(token.encode()).hexdigest()[:16]
 
@@ -42,3 +50,23 @@ def tenant() -> str:
 def current_api_key_id() -> str:
     """The rate-limit bucket of the authenticated API key."""
     return str(g.api_key_id)
+
+
+def requires(permission: str) -> t.Callable[[t.Callable[P, R]], t.Callable[P, R]]:
+    """View decorator refusing API keys without ``permission`` (403).
+
+    Placed above ``@idem.idempotent``, it runs before the claim: a key without the permission
+    never sees a stored response, a 409 or a 422 of a key its tenant used.
+    """
+
+    def decorate(view: t.Callable[P, R]) -> t.Callable[P, R]:
+        @functools.wraps(view)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            granted = g.get("permissions")
+            if granted is not None and permission not in granted:
+                raise problems.forbidden(permission)
+            return view(*args, **kwargs)
+
+        return checked
+
+    return decorate

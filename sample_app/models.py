@@ -36,7 +36,8 @@ payments = sa.Table(
     sa.Column("description", sa.Text, nullable=True),
     sa.Column("metadata", sa.JSON, nullable=True),
     sa.Column("status", sa.String(16), nullable=False),
-    sa.Column("provider_charge_id", sa.String(32), nullable=False),
+    # One payment per charge: the view and the reconciler can never both record it.
+    sa.Column("provider_charge_id", sa.String(32), nullable=False, unique=True),
     sa.Column("created", sa.BigInteger, nullable=False),
 )
 
@@ -63,6 +64,9 @@ provider_charges = sa.Table(
     sa.Column("amount", sa.BigInteger, nullable=False),
     sa.Column("currency", sa.String(3), nullable=False),
     sa.Column("customer", sa.String(255), nullable=False),
+    # Kept with the charge, as real providers do: a reconciler rebuilds the payment from it.
+    sa.Column("description", sa.Text, nullable=True),
+    sa.Column("metadata", sa.JSON, nullable=True),
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("created", sa.BigInteger, nullable=False),
     # The provider's own deduplication: one charge per (merchant, downstream key).

@@ -65,6 +65,25 @@ def refund_exceeds_payment(remaining: int) -> Problem:
     )
 
 
+def forbidden(scope: str) -> Problem:
+    return Problem(
+        f"This API key may not do this: it lacks the {scope!r} permission.",
+        problem="forbidden",
+        status=403,
+        title="Forbidden",
+    )
+
+
+def provider_timeout() -> Problem:
+    return Problem(
+        "The payment provider did not answer in time; the payment may have been taken. Retry "
+        "with the same idempotency key: the retry finishes this payment, it never charges twice.",
+        problem="provider-timeout",
+        status=504,
+        title="Provider timeout",
+    )
+
+
 def card_declined() -> Problem:
     return Problem(
         "The payment provider declined the card; no money was taken.",

@@ -24,19 +24,33 @@ from .models import dialect_insert, provider_charges
 EXTENSION_NAME = "sample_provider"
 #: The customer whose card the provider always declines (the 402 example).
 DECLINED_CUSTOMER = "cus_declined"
+#: The customer whose first charge (per downstream key) is taken, but whose answer is lost:
+#: the call raises :class:`ProviderTimeout` after the money moved, the classic double-charge
+#: trap. A repeated call with the same downstream key answers that charge.
+TIMEOUT_CUSTOMER = "cus_timeout"
+
+
+class ProviderTimeout(Exception):
+    """The provider did not answer in time; it may have charged."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Charge:
     id: str
     status: t.Literal["succeeded", "declined"]
+    amount: int
+    currency: str
+    customer: str
+    description: str | None
+    metadata: t.Any
 
 
 class Provider:
     """The provider's client and server in one object.
 
-    :param latency: seconds the provider takes to answer a charge (after recording it, so a
-        worker killed meanwhile leaves a charge the app has not recorded yet).
+    :param latency: seconds the provider takes to answer a new charge (after recording it, so a
+        worker killed meanwhile leaves a charge the app has not recorded yet); a repeated
+        downstream key is answered from its ledger at once.
     :param log_path: a file that gets one line per charge attempt, written before the provider
         touches its database, so tests can count attempts even when the database is down.
     """
@@ -48,7 +62,15 @@ class Provider:
         self.log_path = log_path
 
     def charge(
-        self, *, tenant: str, downstream_key: str, amount: int, currency: str, customer: str
+        self,
+        *,
+        tenant: str,
+        downstream_key: str,
+        amount: int,
+        currency: str,
+        customer: str,
+        description: str | None = None,
+        metadata: t.Any = None,
     ) -> Charge:
         """Charge once per ``(tenant, downstream_key)``; a repeated call returns that charge."""
         if self.log_path:
@@ -63,19 +85,40 @@ class Provider:
                 amount=amount,
                 currency=currency,
                 customer=customer,
+                description=description,
+                metadata=metadata,
                 status=status,
                 created=int(time.time()),
             )
-            conn.execute(insert.on_conflict_do_nothing())
+            new = conn.execute(insert.on_conflict_do_nothing()).rowcount == 1
+        charge = self.find(tenant=tenant, downstream_key=downstream_key)
+        assert charge is not None
+        if new and self.latency:
+            time.sleep(self.latency)
+        if new and customer == TIMEOUT_CUSTOMER:
+            raise ProviderTimeout(f"no answer for charge {downstream_key}")
+        return charge
+
+    def find(self, *, tenant: str, downstream_key: str) -> Charge | None:
+        """The charge made with ``downstream_key``, if any (the provider's lookup API)."""
+        with self.engine.connect() as conn:
             row = conn.execute(
-                sa.select(provider_charges.c.id, provider_charges.c.status).where(
+                sa.select(provider_charges).where(
                     provider_charges.c.tenant == tenant,
                     provider_charges.c.downstream_key == downstream_key,
                 )
-            ).one()
-        if self.latency:
-            time.sleep(self.latency)
-        return Charge(row.id, row.status)
+            ).first()
+        if row is None:
+            return None
+        return Charge(
+            row.id,
+            row.status,
+            row.amount,
+            row.currency,
+            row.customer,
+            row.description,
+            row.metadata,
+        )
 
 
 def init_app(app: Flask, url: str) -> None:

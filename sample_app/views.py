@@ -15,10 +15,10 @@ from flask import Blueprint, jsonify
 from werkzeug.wrappers import Response
 
 from . import problems
-from .auth import tenant
+from .auth import requires, tenant
 from .extensions import idem
 from .models import payments, refunds
-from .provider import current_provider
+from .provider import Charge, ProviderTimeout, current_provider
 from .schemas import PaymentSchema, RefundSchema, load_body
 
 #: The customer whose payment makes the handler fail before it calls the provider.
@@ -27,7 +27,7 @@ CRASH_CUSTOMER = "cus_crash"
 bp = Blueprint("payments", __name__, url_prefix="/v1")
 
 
-def _payment(row: t.Any) -> dict[str, t.Any]:
+def payment_document(row: t.Any) -> dict[str, t.Any]:
     return {
         "id": row.id,
         "object": "payment",
@@ -41,43 +41,62 @@ def _payment(row: t.Any) -> dict[str, t.Any]:
     }
 
 
+def record_payment(conn: sa.Connection, tenant: str, charge: Charge) -> t.Any:
+    """The payment row of a succeeded charge, inserted once (the reconciler may have)."""
+    existing = conn.execute(
+        sa.select(payments).where(
+            payments.c.tenant == tenant, payments.c.provider_charge_id == charge.id
+        )
+    ).first()
+    if existing is not None:
+        return existing
+    values = {
+        "id": f"pay_{secrets.token_hex(12)}",
+        "tenant": tenant,
+        "amount": charge.amount,
+        "currency": charge.currency,
+        "customer": charge.customer,
+        "description": charge.description,
+        "metadata": charge.metadata,
+        "status": "succeeded",
+        "provider_charge_id": charge.id,
+        "created": int(time.time()),
+    }
+    return conn.execute(payments.insert().values(values).returning(payments)).one()
+
+
 # ``reexecute``: when the first attempt's outcome is unknown (its worker died, the provider
 # call failed after charging), a retry runs the view again as the same operation: the
 # provider deduplicates on the downstream key, and the payment row commits only together
 # with the stored response. ``declares_effects``: the view asks for its downstream key before
 # it calls the provider, so a failure before that (``cus_crash``) gives the key back.
 @bp.post("/payments")
+@requires("payments:write")
 @idem.idempotent(exclude=["client_ts"], recovery="reexecute", declares_effects=True)
 def create_payment() -> Response:
     body = load_body(PaymentSchema())
     if body["customer"] == CRASH_CUSTOMER:
         raise RuntimeError("simulated failure before the provider call")
-    charge = current_provider().charge(
-        tenant=tenant(),
-        downstream_key=idem.downstream_key("charge"),
-        amount=body["amount"],
-        currency=body["currency"],
-        customer=body["customer"],
-    )
+    # Asking for the downstream key declares the contact: from here any failure leaves the
+    # key "unknown" (re-run as the same operation on retry), never free to charge anew.
+    downstream_key = idem.downstream_key("charge")
+    try:
+        charge = current_provider().charge(
+            tenant=tenant(),
+            downstream_key=downstream_key,
+            amount=body["amount"],
+            currency=body["currency"],
+            customer=body["customer"],
+            description=body.get("description"),
+            metadata=body.get("metadata"),
+        )
+    except ProviderTimeout:
+        raise problems.provider_timeout() from None
     if charge.status == "declined":
         raise problems.card_declined()
-    # Money has moved: from here a crash must leave the key "unknown", never free to re-run.
-    idem.side_effect()
-    values = {
-        "id": f"pay_{secrets.token_hex(12)}",
-        "tenant": tenant(),
-        "amount": body["amount"],
-        "currency": body["currency"],
-        "customer": body["customer"],
-        "description": body.get("description"),
-        "metadata": body.get("metadata"),
-        "status": "succeeded",
-        "provider_charge_id": charge.id,
-        "created": int(time.time()),
-    }
     # Committed by the extension in the same transaction as the stored response.
-    row = idem.connection().execute(payments.insert().values(values).returning(payments)).one()
-    response = jsonify(_payment(row))
+    row = record_payment(idem.connection(), tenant(), charge)
+    response = jsonify(payment_document(row))
     response.status_code = 201
     response.headers["Location"] = f"/v1/payments/{row.id}"
     # Per-request header: the extension never stores it, so a replay does not set it again.
@@ -90,7 +109,7 @@ def list_payments() -> Response:
     rows = idem.connection().execute(
         sa.select(payments).where(payments.c.tenant == tenant()).order_by(payments.c.seq.desc())
     )
-    return jsonify({"object": "list", "data": [_payment(row) for row in rows]})
+    return jsonify({"object": "list", "data": [payment_document(row) for row in rows]})
 
 
 @bp.get("/payments/<payment_id>")
@@ -104,12 +123,13 @@ def get_payment(payment_id: str) -> Response:
     )
     if row is None:
         raise problems.payment_not_found(payment_id)
-    return jsonify(_payment(row))
+    return jsonify(payment_document(row))
 
 
 # Every write of this view is in the transaction committed with the stored response, so a
 # worker that died mid-request left nothing behind and re-running it is safe.
 @bp.post("/payments/<payment_id>/refunds")
+@requires("payments:write")
 @idem.idempotent(recovery="reexecute", declares_effects=True)
 def create_refund(payment_id: str) -> Response:
     body = load_body(RefundSchema())

@@ -326,7 +326,7 @@ def test_show_prints_bodies_only_when_configured(app_factory: Factory) -> None:
 def test_release_asks_first_then_frees_the_key(app_factory: Factory) -> None:
     app, _, counter = app_factory()
     _pay(app, "rel-key")
-    args = ("release", "rel-key", "--tenant", "alpha", "--endpoint", PAYMENTS)
+    args = ("release", "rel-key", "--tenant", "alpha", "--endpoint", PAYMENTS, "--not-happened")
 
     declined = idem(app, *args, input="n\n")
     assert declined.exit_code == 1
@@ -348,7 +348,7 @@ def test_release_with_yes_and_json(store: SQLStore) -> None:
     Idempotency(app, store=store, tenant=lambda: "alpha")
     scope = Scope("alpha", PAYMENTS, "unk")
     store.mark_unknown(scope, store.claim(scope, FP, ttl=60, lease=30).token)
-    args = ["release", "unk", "--tenant", "alpha", "--endpoint", PAYMENTS]
+    args = ["release", "unk", "--tenant", "alpha", "--endpoint", PAYMENTS, "--not-happened"]
 
     warned = idem(app, *args, input="n\n")
     assert "The operation may have happened: a retry will execute it again." in warned.stderr

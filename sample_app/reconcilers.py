@@ -1,0 +1,37 @@
+"""Settling stuck payments: ask the provider what became of the charge.
+
+A payment whose worker died after the provider call (or whose outcome is ``unknown``) is
+looked up at the provider by its downstream key, the key every execution of the operation
+derives: no charge means nothing happened, a charge means the payment happened, and it is
+recorded now exactly as the view would have recorded it.
+"""
+
+from __future__ import annotations
+
+from flask import current_app
+
+from flask_idem import Record, Verdict, derive_key
+from flask_idem.store import create_engine
+
+from . import problems
+from .extensions import idem
+from .provider import current_provider
+from .views import create_payment, payment_document, record_payment
+
+
+@idem.reconciler(create_payment)
+def payment_outcome(record: Record) -> Verdict:
+    tenant = record.scope.tenant
+    charge = current_provider().find(tenant=tenant, downstream_key=derive_key(record, "charge"))
+    if charge is None:
+        return Verdict.not_happened("the provider has no charge for this payment")
+    if charge.status == "declined":
+        return Verdict.happened(problems.card_declined().get_response(), reason="declined")
+    engine = create_engine(current_app.config["IDEMPOTENCY_DATABASE_URL"])
+    try:
+        with engine.begin() as conn:
+            row = record_payment(conn, tenant, charge)
+    finally:
+        engine.dispose()
+    location = {"Location": f"/v1/payments/{row.id}"}
+    return Verdict.happened((payment_document(row), 201, location), reason="charged")

@@ -1,0 +1,413 @@
+"""The outcome model in-process, on both databases: failures after contact with the outside
+world never free a key, exceptions are crashes whoever renders them, authorization runs before
+any replay, and an answer outlives a request longer than its TTL."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import typing as t
+
+import flask
+import pytest
+import sqlalchemy as sa
+
+from flask_idem import Idempotency, Scope, State, StoredResponse
+from flask_idem.store import SQLStore
+
+from .conftest import Counter
+
+Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
+ledger = sa.Table(
+    "outcome_ledger",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+)
+
+
+class FakeProvider:
+    """An external service that deduplicates on the downstream key and, the first time it sees
+    a key, charges and then loses its answer (the call raises as a timeout would)."""
+
+    def __init__(self) -> None:
+        self.charges: dict[str, int] = {}
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def charge(self, downstream_key: str, *, time_out_first: bool = True) -> int:
+        with self.lock:
+            self.calls += 1
+            first = downstream_key not in self.charges
+            self.charges.setdefault(downstream_key, len(self.charges) + 1)
+        if first and time_out_first:
+            raise TimeoutError("the provider charged, then the answer was lost")
+        return self.charges[downstream_key]
+
+
+@pytest.fixture
+def business(store: SQLStore) -> t.Iterator[sa.Table]:
+    """A business table in the store's database, for writes through ``idem.connection()``."""
+    ledger.metadata.create_all(store.engine)
+    yield ledger
+    ledger.metadata.drop_all(store.engine)
+
+
+def _post(client: t.Any, path: str, key: str = "k", **headers: str) -> t.Any:
+    return client.post(path, headers={"Idempotency-Key": key, **headers})
+
+
+def _problem(response: t.Any) -> str:
+    assert response.content_type == "application/problem+json", response.data
+    return str(response.get_json()["type"]).rsplit("/", 1)[-1]
+
+
+def _record(store: SQLStore, path: str, key: str = "k") -> t.Any:
+    return store.get(Scope("alpha", f"POST {path}", key))
+
+
+# -- failures after contact with the outside world ------------------------------------------
+
+
+@pytest.mark.parametrize("failure", ["raise", "502", "504"])
+def test_provider_timeout_then_retry_charges_once(app_factory: Factory, failure: str) -> None:
+    app, idem, _ = app_factory()
+    provider = FakeProvider()
+
+    @app.post("/pay")
+    @idem.idempotent(recovery="reexecute", declares_effects=True)
+    def pay() -> t.Any:
+        try:
+            charge = provider.charge(idem.downstream_key("charge"))
+        except TimeoutError:
+            if failure == "raise":
+                raise
+            return {"error": "provider timeout"}, int(failure)
+        return {"charge": charge}, 201
+
+    client = app.test_client()
+    first = _post(client, "/pay")
+    assert first.status_code == (500 if failure == "raise" else int(failure))
+    retry = _post(client, "/pay")
+    assert retry.status_code == 201 and "Idempotent-Replayed" not in retry.headers
+    assert retry.get_json() == {"charge": 1}
+    assert _post(client, "/pay").headers["Idempotent-Replayed"] == "true"
+    assert len(provider.charges) == 1 and provider.calls == 2, "one charge, one re-run"
+
+
+def test_provider_timeout_on_a_fail_view_waits_for_reconciliation(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    app, idem, _ = app_factory()
+    provider = FakeProvider()
+
+    @app.post("/pay")
+    @idem.idempotent(declares_effects=True)
+    def pay() -> t.Any:
+        return {"charge": provider.charge(idem.downstream_key("charge"))}, 201
+
+    client = app.test_client()
+    assert _post(client, "/pay").status_code == 500
+    for _ in range(2):
+        assert _problem(_post(client, "/pay")) == "outcome-pending"
+    assert _record(store, "/pay").state is State.UNKNOWN
+    assert provider.calls == 1
+
+
+def test_a_view_that_declares_nothing_never_releases(app_factory: Factory, store: SQLStore) -> None:
+    """The safe default: without ``declares_effects`` any failure leaves the key unknown."""
+    app, idem, counter = app_factory()
+
+    @app.post("/quiet")
+    @idem.idempotent
+    def quiet() -> t.Any:
+        counter.bump()
+        if counter.calls == 1:
+            raise RuntimeError("an effect may have happened before this")
+        return "done", 201
+
+    @app.post("/unavailable")
+    @idem.idempotent
+    def unavailable() -> t.Any:
+        counter.bump()
+        return "busy", 503
+
+    client = app.test_client()
+    first = _post(client, "/quiet")
+    assert first.status_code == 500
+    assert "may have had an effect" in first.get_json()["detail"]
+    assert _problem(_post(client, "/quiet")) == "outcome-pending"
+    assert _post(client, "/unavailable").status_code == 503
+    assert _problem(_post(client, "/unavailable")) == "outcome-pending"
+    assert counter.calls == 2
+    assert _record(store, "/quiet").state is State.UNKNOWN
+
+
+def test_a_failure_before_contact_releases_when_the_view_declares_effects(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/validate")
+    @idem.idempotent(declares_effects=True)
+    def validate() -> t.Any:
+        if counter.bump() == 1:
+            raise RuntimeError("before any contact")
+        idem.downstream_key("charge")
+        return "done", 201
+
+    client = app.test_client()
+    first = _post(client, "/validate")
+    assert first.status_code == 500 and "Nothing was recorded" in first.get_json()["detail"]
+    assert _post(client, "/validate").status_code == 201
+    assert counter.calls == 2
+
+
+@pytest.mark.parametrize("exception", [SystemExit, KeyboardInterrupt])
+def test_system_exit_after_contact_leaves_the_key_unknown(
+    app_factory: Factory, store: SQLStore, exception: type[BaseException]
+) -> None:
+    """gunicorn's worker timeout (SIGABRT) and SIGQUIT/SIGINT raise SystemExit in the view."""
+    app, idem, _ = app_factory()
+    provider = FakeProvider()
+
+    @app.post("/pay")
+    @idem.idempotent(recovery="reexecute", declares_effects=True)
+    def pay() -> t.Any:
+        charge = provider.charge(idem.downstream_key("charge"), time_out_first=False)
+        if provider.calls == 1:
+            raise exception()
+        return {"charge": charge}, 201
+
+    client = app.test_client()
+    with pytest.raises(exception):
+        _post(client, "/pay")
+    assert _record(store, "/pay").state is State.UNKNOWN
+    assert _post(client, "/pay").get_json() == {"charge": 1}
+    assert len(provider.charges) == 1
+
+
+def test_store_failing_after_the_charge_tells_the_truth_and_finishes_on_retry(
+    app_factory: Factory, store: SQLStore, business: sa.Table
+) -> None:
+    app, idem, _ = app_factory(IDEMPOTENCY_LEASE=1)
+    provider = FakeProvider()
+
+    @app.post("/pay")
+    @idem.idempotent(recovery="reexecute", declares_effects=True)
+    def pay() -> t.Any:
+        conn = idem.connection()
+        charge = provider.charge(idem.downstream_key("charge"), time_out_first=False)
+        conn.execute(business.insert())
+        if provider.calls == 1:
+            conn.invalidate()  # the database goes away before the commit
+        return {"charge": charge}, 201
+
+    client = app.test_client()
+    failed = _post(client, "/pay")
+    assert _problem(failed) == "store-unavailable"
+    assert "may have taken effect" in failed.get_json()["detail"]
+    assert "nothing was changed" not in failed.get_json()["detail"]
+    assert _record(store, "/pay").state is State.UNKNOWN
+    retry = _post(client, "/pay")
+    assert retry.status_code == 201 and retry.get_json() == {"charge": 1}
+    assert len(provider.charges) == 1
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(business)).scalar() == 1
+
+
+# -- exceptions are exceptions, whoever renders them ----------------------------------------
+
+
+def test_a_catch_all_error_handler_stores_and_commits_nothing(
+    app_factory: Factory, store: SQLStore, business: sa.Table
+) -> None:
+    app, idem, counter = app_factory()
+
+    @app.errorhandler(Exception)
+    def everything(error: Exception) -> t.Any:
+        return {"error": "internal"}, 500
+
+    @app.post("/write")
+    @idem.idempotent(declares_effects=True)
+    def write() -> t.Any:
+        idem.connection().execute(business.insert())
+        if counter.bump() == 1:
+            raise ValueError("half-way")
+        return "written", 201
+
+    client = app.test_client()
+    first = _post(client, "/write")
+    assert first.status_code == 500 and first.get_json() == {"error": "internal"}
+    assert _record(store, "/write") is None, "nothing stored: the key was given back"
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(business)).scalar() == 0
+    second = _post(client, "/write")
+    assert second.status_code == 201 and "Idempotent-Replayed" not in second.headers
+    assert _post(client, "/write").headers["Idempotent-Replayed"] == "true"
+    assert counter.calls == 2
+
+
+def test_a_500_returned_on_purpose_is_stored(app_factory: Factory) -> None:
+    app, idem, counter = app_factory()
+
+    @app.errorhandler(Exception)
+    def everything(error: Exception) -> t.Any:
+        return {"error": "internal"}, 500
+
+    @app.post("/on-purpose")
+    @idem.idempotent
+    def on_purpose() -> t.Any:
+        counter.bump()
+        return {"error": "the ledger refused"}, 500
+
+    client = app.test_client()
+    _post(client, "/on-purpose")
+    assert _post(client, "/on-purpose").headers["Idempotent-Replayed"] == "true"
+    assert counter.calls == 1
+
+
+# -- authorization before replay -------------------------------------------------------------
+
+
+def _requires(permission: str) -> t.Callable[[t.Callable[..., t.Any]], t.Callable[..., t.Any]]:
+    def decorate(view: t.Callable[..., t.Any]) -> t.Callable[..., t.Any]:
+        @functools.wraps(view)
+        def checked(*args: t.Any, **kwargs: t.Any) -> t.Any:
+            if permission not in flask.request.headers.get("X-Permissions", "write").split():
+                flask.abort(403)
+            return view(*args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+def test_a_restricted_credential_never_sees_a_stored_response(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/refunds")
+    @_requires("write")
+    @idem.idempotent
+    def refund() -> t.Any:
+        counter.bump()
+        return {"refund": "re_1", "secret": "stored body"}, 201
+
+    client = app.test_client()
+    assert _post(client, "/refunds").status_code == 201
+    for body in (None, b'{"other": 1}'):
+        refused = client.post(
+            "/refunds", data=body, headers={"Idempotency-Key": "k", "X-Permissions": "read"}
+        )
+        assert refused.status_code == 403 and b"stored body" not in refused.data
+        assert "Idempotent-Replayed" not in refused.headers
+    fresh = _post(client, "/refunds", key="fresh", **{"X-Permissions": "read"})
+    assert fresh.status_code == 403
+    assert _record(store, "/refunds", "fresh") is None, "no claim for a refused request"
+    assert counter.calls == 1
+
+
+def test_blueprint_protection_claims_after_blueprint_hooks(store: SQLStore) -> None:
+    app = flask.Flask("bp")
+    idem = Idempotency(store=store, tenant=lambda: "alpha")
+    blueprint = flask.Blueprint("orders", __name__)
+    calls = Counter()
+
+    @blueprint.before_request
+    def authorize() -> None:
+        if flask.request.headers.get("X-Permissions") == "read":
+            flask.abort(403)
+
+    @blueprint.post("/orders")
+    def create_order() -> t.Any:
+        calls.bump()
+        return "ordered", 201
+
+    idem.protect_blueprint(blueprint)
+    idem.init_app(app)
+    app.register_blueprint(blueprint)
+    client = app.test_client()
+    assert _post(client, "/orders").status_code == 201
+    refused = _post(client, "/orders", **{"X-Permissions": "read"})
+    assert refused.status_code == 403 and "Idempotent-Replayed" not in refused.headers
+    assert _post(client, "/orders").headers["Idempotent-Replayed"] == "true"
+    assert calls.calls == 1
+
+
+# -- time ----------------------------------------------------------------------------------------
+
+
+def test_a_request_longer_than_its_ttl_replays_afterwards(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/long")
+    @idem.idempotent(ttl=1)
+    def long() -> t.Any:
+        counter.bump()
+        time.sleep(1.5)
+        return "done", 201
+
+    client = app.test_client()
+    assert _post(client, "/long").status_code == 201
+    replay = _post(client, "/long")
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert counter.calls == 1
+
+
+# -- replaying what must not be replayed verbatim --------------------------------------------
+
+
+def test_replay_callable_regenerates_short_lived_values(app_factory: Factory) -> None:
+    app, idem, counter = app_factory()
+    issued: list[str] = []
+
+    def sign(document: str) -> str:
+        url = f"https://files.example/{document}?sig={len(issued)}"
+        issued.append(url)
+        return url
+
+    def fresh_link(stored: StoredResponse) -> t.Any:
+        document = flask.json.loads(stored.body)["document"]
+        return {"document": document, "url": sign(document)}, stored.status
+
+    @app.post("/exports")
+    @idem.idempotent(replay=fresh_link)
+    def export() -> t.Any:
+        counter.bump()
+        return {"document": "inv-7", "url": sign("inv-7")}, 201
+
+    client = app.test_client()
+    first = _post(client, "/exports")
+    replay = _post(client, "/exports")
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.get_json()["document"] == "inv-7"
+    assert replay.get_json()["url"] != first.get_json()["url"], "a new signature, not the old"
+    assert counter.calls == 1
+
+
+# -- operators -----------------------------------------------------------------------------------
+
+
+def test_reopened_record_reruns_as_the_same_operation(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    app, idem, _ = app_factory()
+    provider = FakeProvider()
+
+    @app.post("/pay")
+    @idem.idempotent  # recovery="fail": only an operator or a reconciler settles it
+    def pay() -> t.Any:
+        return {"charge": provider.charge(idem.downstream_key("charge"))}, 201
+
+    client = app.test_client()
+    assert _post(client, "/pay").status_code == 500
+    assert _problem(_post(client, "/pay")) == "outcome-pending"
+    scope = Scope("alpha", "POST /pay", "k")
+    assert store.reopen(scope)
+    assert not store.reopen(scope), "only stuck records reopen"
+    assert _post(client, "/pay").get_json() == {"charge": 1}
+    assert len(provider.charges) == 1 and provider.calls == 2
