@@ -93,10 +93,10 @@ class Provider:
             new = conn.execute(insert.on_conflict_do_nothing()).rowcount == 1
         charge = self.find(tenant=tenant, downstream_key=downstream_key)
         assert charge is not None
-        if new and self.latency:
-            time.sleep(self.latency)
         if new and customer == TIMEOUT_CUSTOMER:
             raise ProviderTimeout(f"no answer for charge {downstream_key}")
+        if new and self.latency:
+            time.sleep(self.latency)
         return charge
 
     def find(self, *, tenant: str, downstream_key: str) -> Charge | None:

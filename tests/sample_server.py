@@ -67,7 +67,14 @@ class SampleServer:
     """A gunicorn master serving the sample app, plus the SQL and log views of it."""
 
     def __init__(
-        self, url: str, workdir: Path, *, workers: int = 2, threads: int = 1, **env: str
+        self,
+        url: str,
+        workdir: Path,
+        *,
+        workers: int = 2,
+        threads: int = 1,
+        options: t.Sequence[str] = (),
+        **env: str,
     ) -> None:
         self.url = url
         self.port = free_port()
@@ -84,6 +91,7 @@ class SampleServer:
             "--graceful-timeout",
             "2",
             "--no-control-socket",
+            *options,
             "sample_app:create_app()",
         ]
         if threads > 1:
@@ -178,6 +186,17 @@ class SampleServer:
     def provider_attempts(self) -> list[str]:
         """The provider's log: one ``<tenant> <downstream key>`` line per charge attempt."""
         return self.provider_log.read_text().splitlines()
+
+    def flask(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """``flask --app sample_app ARGS`` against the server's database (an operator's shell)."""
+        return subprocess.run(
+            [str(Path(sys.executable).with_name("flask")), "--app", "sample_app", *args],
+            cwd=ROOT,
+            env={**os.environ, "DATABASE_URL": self.url},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     # -- processes ------------------------------------------------------------------------
 

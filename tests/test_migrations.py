@@ -10,8 +10,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from flask_idem.migrate import downgrade, upgrade
-from flask_idem.table import TABLE_NAME, VERSION_TABLE, metadata
 from flask_idem.store import create_engine
+from flask_idem.table import TABLE_NAME, VERSION_TABLE, metadata
 
 FUNCTIONS = {
     "idempotency_claim",

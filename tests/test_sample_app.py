@@ -238,6 +238,30 @@ def test_unauthenticated_requests_get_401(
     assert records(main, key) == 0
 
 
+#: Alpha's read-only API key (``payments:read`` only).
+READ_ONLY = "sk_test_alpha_read"
+
+
+def test_a_read_only_key_never_sees_a_stored_payment(main: SampleServer) -> None:
+    key = new_key()
+    customer = new_customer()
+    paid = main.request("POST", "/v1/payments", key=key, json_body=payment(customer), timeout=30)
+    assert_executed(paid)
+    for body in (payment(customer), payment(customer, amount=1)):
+        refused = main.request("POST", "/v1/payments", api_key=READ_ONLY, key=key, json_body=body)
+        assert_problem(refused, 403, "forbidden")
+        assert paid.json()["id"].encode() not in refused.body
+        assert refused.headers["Idempotent-Replayed"] is None
+    fresh = new_key()
+    refused = main.request(
+        "POST", "/v1/payments", api_key=READ_ONLY, key=fresh, json_body=payment(new_customer())
+    )
+    assert_problem(refused, 403, "forbidden")
+    assert records(main, fresh) == 0, "no claim for a refused request"
+    listed = main.request("GET", f"/v1/payments/{paid.json()['id']}", api_key=READ_ONLY)
+    assert listed.status == 200, "reads stay allowed"
+
+
 def test_401_is_never_stored(main: SampleServer) -> None:
     key, customer = new_key(), new_customer()
     assert main.pay(key, payment(customer), api_key="sk_test_wrong").status == 401
