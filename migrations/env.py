@@ -11,8 +11,8 @@ import os
 import sqlalchemy as sa
 from alembic import context
 
-from flask_idem.table import VERSION_TABLE, metadata
 from flask_idem.store import create_engine, normalize_url
+from flask_idem.table import VERSION_TABLE, metadata
 
 config = context.config
 

@@ -75,9 +75,8 @@ def _replace(source: str, old: str, new: str) -> str:
 def _granularity() -> str:
     """The partition unit revision 0001 fixed in the drop function (day, week or month)."""
     definition = op.get_bind().scalar(
-        sa.text(
-            "SELECT pg_get_functiondef('idempotency_drop_expired_partitions(boolean)'::regprocedure)"
-        )
+        sa.text("SELECT pg_get_functiondef(CAST(:function AS regprocedure))"),
+        {"function": "idempotency_drop_expired_partitions(boolean)"},
     )
     found = re.search(r"interval '1 (day|week|month)'", str(definition))
     if found is None:
