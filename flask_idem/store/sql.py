@@ -339,8 +339,8 @@ class SQLStore(Store):
 def lease_start(lease_expires_at: dt.datetime | None, lease: float) -> dt.datetime:
     """The database clock of a write that set ``lease_expires_at`` to ``now() + lease``.
 
-    Exact on PostgreSQL: ``make_interval`` rounds the seconds to microseconds half-to-even,
-    as :class:`datetime.timedelta` does; SQLite's clock has milliseconds only.
+    Exact on PostgreSQL: ``make_interval`` rounds seconds times 10**6 to whole microseconds,
+    half to even, as ``round`` does here; SQLite's clock has milliseconds only.
     """
     assert lease_expires_at is not None
     return lease_expires_at - dt.timedelta(microseconds=round(float(lease) * 1_000_000))
