@@ -1,4 +1,5 @@
-"""``flask idem ...``: partition upkeep, stuck requests, inspection, release and reconciliation.
+"""``flask idem ...``: partition upkeep, stuck requests, inspection, release, reconciliation and
+distribution over Citus.
 
 Every command prints for a terminal by default and JSON with ``--json`` (for scripts and
 alerting), and exits non-zero when the store fails. Raw keys are printed only with
@@ -16,6 +17,7 @@ import typing as t
 import click
 from flask.cli import AppGroup
 
+from . import citus
 from .errors import IdempotencyError
 from .keys import key_hash
 from .reconcile import Action, Settlement, reconcile
@@ -91,6 +93,48 @@ def _maintenance_text(report: MaintenanceReport, *, partitioned: bool) -> str:
             lines.append(f"{done} {_plural(len(names), 'partition')}{listed}")
     lines.append(f"{verb[2]} {_plural(report.purged, 'expired row')}")
     return "\n".join(lines)
+
+
+@idem_group.command("citus")
+@click.option(
+    "--colocate-with",
+    metavar="TABLE",
+    help="An application table distributed by the same tenant value, to share its workers.",
+)
+@click.option("--dry-run", is_flag=True, help="Only print the SQL that would run.")
+@json_option
+@_store_errors
+def citus_command(colocate_with: str | None, dry_run: bool, as_json: bool) -> None:
+    """Distribute the store over Citus, by tenant (see docs/citus.md).
+
+    Distributes idempotency_keys by tenant and the claim function by its tenant argument, so
+    that each claim runs on the worker holding the tenant's shard. Runs only what is missing:
+    safe to repeat. Refused, changing nothing, when the database has no citus extension.
+    """
+    engine = AppState.current().store.engine
+    try:
+        steps = citus.distribute(engine, colocate_with=colocate_with, dry_run=dry_run)
+        note = None
+    except citus.CitusMissing as exc:
+        if not dry_run:
+            raise
+        # Show the whole plan, for review before Citus is there; running it is refused.
+        steps, note = citus.full_plan(colocate_with), str(exc)
+    if as_json:
+        _print_json(
+            {
+                "dry_run": dry_run,
+                "steps": [{"reason": s.reason, "sql": s.rendered()} for s in steps],
+                **({"note": note} if note else {}),
+            }
+        )
+        return
+    if note:
+        click.echo(f"-- {note}: the full plan follows", err=True)
+    if not steps:
+        click.echo(f"{citus.TABLE} is distributed by {citus.DISTRIBUTION_COLUMN}: nothing to do")
+    for step in steps:
+        click.echo(f"-- {step.reason}\n{step.rendered()}" if dry_run else f"done: {step.reason}")
 
 
 @idem_group.command()

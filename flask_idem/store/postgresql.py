@@ -32,6 +32,11 @@ Round trips
     after the claim pass the record's ``created_at``, so PostgreSQL plans them against one
     partition instead of all of them.
 
+Citus
+    ``flask idem citus`` distributes the table by ``tenant`` and this function by ``p_tenant``;
+    every other statement is a single-tenant one Citus routes to one shard, and none returns a
+    non-immutable expression (``tests/test_citus.py`` checks both). See ``docs/citus.md``.
+
 Partitions
     ``idempotency_create_partitions(ahead)`` creates the current and ``ahead`` next partitions
     (daily by default; the migration fixes the granularity), moving any row that fell into the
@@ -54,6 +59,9 @@ from .sql import SQLStore, new_token, record_from_row, translate_errors
 
 # Sent as driver SQL: the hottest statement (every protected request) skips SQLAlchemy's
 # statement compilation; psycopg2 already returns bytea, jsonb and timestamptz as Python values.
+# On Citus (docs/citus.md) this exact shape is what gets delegated to the tenant's worker: one
+# function in FROM, the tenant first, arguments inlined by psycopg2 as constants, and no
+# transaction block around it (autocommit), where Citus would run it on the coordinator.
 _CLAIM = (
     "SELECT * FROM idempotency_claim(%(tenant)s, %(endpoint)s, %(key)s, %(fingerprint)s, "
     "%(token)s, %(ttl)s, %(lease)s)"
@@ -82,8 +90,11 @@ class PostgresStore(SQLStore):
         return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, float(seconds))
 
     def ttl_after_end(self) -> sa.ColumnElement[bool]:
+        # Spelled as interval < interval: ``timestamptz + interval`` is STABLE, which Citus
+        # refuses on columns in an UPDATE or DELETE (docs/citus.md); this form is IMMUTABLE
+        # once now() is a constant.
         ended = sa.func.coalesce(table.c.completed_at, table.c.lease_expires_at, table.c.created_at)
-        return ended + (table.c.expires_at - table.c.created_at) > sa.func.now()
+        return sa.func.now() - ended < table.c.expires_at - table.c.created_at
 
     @contextlib.contextmanager
     def connect(self) -> t.Iterator[sa.Connection]:

@@ -52,9 +52,12 @@ def _aware(value: dt.datetime | None) -> dt.datetime | None:
     return value
 
 
-def record_from_row(scope: Scope | None, row: t.Any) -> Record:
+def record_from_row(scope: Scope | None, row: t.Any, now: dt.datetime | None = None) -> Record:
     """Build a :class:`Record` from a row carrying ``RECORD_COLUMNS`` and ``db_now`` (and the
-    scope columns when ``scope`` is None)."""
+    scope columns when ``scope`` is None).
+
+    :param now: the database clock, when the row could not carry ``db_now``.
+    """
     m = row._mapping
     if scope is None:
         scope = Scope(m["tenant"], m["endpoint"], m["key"])
@@ -67,7 +70,7 @@ def record_from_row(scope: Scope | None, row: t.Any) -> Record:
         )
     created_at = _aware(m["created_at"])
     expires_at = _aware(m["expires_at"])
-    now = _aware(m["db_now"])
+    now = _aware(m["db_now"]) if now is None else now
     assert created_at is not None and expires_at is not None and now is not None
     return Record(
         scope=scope,
@@ -231,6 +234,8 @@ class SQLStore(Store):
         # Row locking makes this exactly-one-winner: a concurrent UPDATE re-checks the WHERE
         # clause against the row the winner wrote, whose token no longer matches. The row (so
         # its ``created_at``, so its downstream keys) stays the same: one logical operation.
+        # No clock in the RETURNING: Citus refuses non-IMMUTABLE functions there. The new
+        # lease ends at now() + lease, so the clock is read back from it (see lease_start).
         statement = (
             table.update()
             .where(
@@ -252,10 +257,13 @@ class SQLStore(Store):
                 claim_token=new_token(),
                 lease_expires_at=self.now_plus(lease),
             )
-            .returning(*self._returning())
+            .returning(*(table.c[name] for name in RECORD_COLUMNS))
         )
         row = self._execute(statement, self._owner(scope, token, None)).first
-        return None if row is None else ClaimResult(record_from_row(scope, row), claimed=True)
+        if row is None:
+            return None
+        now = lease_start(_aware(row.lease_expires_at), lease)
+        return ClaimResult(record_from_row(scope, row, now), claimed=True)
 
     def get(self, scope: Scope) -> Record | None:
         statement = (
@@ -354,6 +362,16 @@ class SQLStore(Store):
                 connection.close()
                 raise
             return connection
+
+
+def lease_start(lease_expires_at: dt.datetime | None, lease: float) -> dt.datetime:
+    """The database clock of a write that set ``lease_expires_at`` to ``now() + lease``.
+
+    Exact on PostgreSQL: ``make_interval`` rounds seconds times 10**6 to whole microseconds,
+    half to even, as ``round`` does here; SQLite's clock has milliseconds only.
+    """
+    assert lease_expires_at is not None
+    return lease_expires_at - dt.timedelta(microseconds=round(float(lease) * 1_000_000))
 
 
 def new_token() -> str:
