@@ -145,7 +145,7 @@ def citus_command(colocate_with: str | None, dry_run: bool, as_json: bool) -> No
 @json_option
 @_store_errors
 def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
-    """List stuck requests (lease expired, or outcome unknown).
+    """List stuck requests (lease expired, outcome unknown, or reopened and not retried).
 
     Oldest first, across tenants. Retries of these keys get 409 outcome-pending until they
     are reconciled (flask idem reconcile) or released, except on views with
@@ -173,10 +173,13 @@ def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
     ]
     click.echo(_table(header, rows))
     unknown = sum(record.state is State.UNKNOWN for record in records)
+    reopened = sum(record.state is State.REOPENED for record in records)
     summary = (
-        f"{_plural(len(records), 'stuck record')}: {len(records) - unknown} in progress past "
-        f"the lease, {unknown} unknown"
+        f"{_plural(len(records), 'stuck record')}: {len(records) - unknown - reopened} in "
+        f"progress past the lease, {unknown} unknown"
     )
+    if reopened:
+        summary += f", {reopened} reopened (waiting for the client's retry)"
     if len(records) == limit:
         summary += f" (the oldest {limit}; there may be more)"
     click.echo(summary)
@@ -225,7 +228,8 @@ def release(
 
     A stuck record (unknown, or in progress past its lease) is reopened: the next retry runs
     the view again as the same operation, with the same downstream keys, so a provider that
-    deduplicates on them charges once. With --not-happened the record is forgotten instead.
+    deduplicates on them charges once. With --not-happened (your verdict that it did not take
+    place) the record is forgotten instead. Completed and running records are refused.
     Prefer flask idem reconcile, which asks the endpoint's reconciler.
     """
     state = AppState.current()
@@ -234,18 +238,25 @@ def release(
     if record is None:
         raise click.ClickException("no live record of this key for this tenant and endpoint")
     stuck = record.state is State.UNKNOWN or record.lease_expired
-    if not not_happened and not stuck:
+    if not (stuck or (not_happened and record.state is State.REOPENED)):
         raise click.ClickException(_refusal(record))
     if not yes:
         click.echo(
             f"{endpoint} for {tenant}, key hash {key_hash(scope)}: {record.state.value}, "
-            f"{_age(record)} old. {_consequence(record, not_happened)}",
+            f"{_age(record)} old. {_consequence(not_happened)}",
             err=True,
         )
         click.confirm("Release this key?", abort=True, err=True)
-    done = state.store.evict(scope) if not_happened else state.store.reopen(scope)
+    # Both are fenced: a retry that took the operation over since the record was read (and
+    # may be charging right now) is never reopened under it nor forgotten.
+    if not_happened:
+        done = state.store.resolve(scope, None, token=record.claim_token)
+    else:
+        done = state.store.reopen(scope, token=record.claim_token)
     if not done:
-        raise click.ClickException("the record changed or expired meanwhile; look again")
+        raise click.ClickException(
+            "the record changed meanwhile (a retry took it over?); look again"
+        )
     action = "released" if not_happened else "reopened"
     if as_json:
         released = record_schema(bodies=False, keys=False).dump(record)
@@ -255,26 +266,25 @@ def release(
 
 
 def _refusal(record: Record) -> str:
-    """Why a record that is not stuck is not reopened."""
+    """Why a record that is not stuck is never released."""
     if record.state is State.IN_PROGRESS:
         return "Its request is still running (its lease is held): wait for it."
     if record.state is State.REOPENED:
         return "It is already reopened: the next retry runs it."
     return (
-        f"Its operation is {record.state.value}: releasing it would run it a second time. "
-        "Pass --not-happened only if you know it did not take place."
+        f"Its operation is {record.state.value}: it happened, and releasing it would run it "
+        "a second time."
     )
 
 
-def _consequence(record: Record, not_happened: bool) -> str:
+def _consequence(not_happened: bool) -> str:
     """What releasing this record leads to, for the confirmation prompt."""
-    if not not_happened:
-        return "The next retry runs it again as the same operation (same downstream keys)."
-    if record.state in (State.COMPLETED, State.UNSTORED):
-        return "The operation completed: a retry will execute it a second time."
-    if record.state is State.IN_PROGRESS and not record.lease_expired:
-        return "Its request is still running: a retry will execute the operation concurrently."
-    return "The operation may have happened: a retry will execute it again."
+    if not_happened:
+        return (
+            "The operation may have happened: a retry will execute it again. It runs as a "
+            "new operation, with new downstream keys."
+        )
+    return "The next retry runs it again as the same operation (same downstream keys)."
 
 
 @idem_group.command("reconcile")

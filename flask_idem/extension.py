@@ -54,7 +54,7 @@ class Idempotency:
     ) -> None:
         self._store = store
         self._tenant = tenant
-        self._blueprints: dict[str, ViewOptions] = {}
+        self._blueprints: dict[Blueprint, ViewOptions] = {}
         self._reconcilers: dict[ReconcilerTarget, Reconciler] = {}
         if app is not None:
             self.init_app(app)
@@ -214,7 +214,7 @@ class Idempotency:
         )
 
         def decorate(function: t.Callable[P, R]) -> t.Callable[P, R]:
-            guarded = flow.guard(function)
+            guarded = flow.guard(function, options)
             setattr(guarded, OPTIONS_ATTRIBUTE, options)
             return guarded
 
@@ -245,7 +245,7 @@ class Idempotency:
         for such views belongs in a ``before_request`` hook, or use :meth:`idempotent` under
         the authorization decorator.
         """
-        self._blueprints[blueprint.name] = ViewOptions.build(
+        self._blueprints[blueprint] = ViewOptions.build(
             ttl=ttl,
             required=required,
             exclude=exclude,
@@ -256,19 +256,32 @@ class Idempotency:
             replay=replay,
         )
 
-    def options_for(self, settings: Settings) -> ViewOptions | None:
-        """The protection of the current request, or None when it is unprotected."""
+    def options_for(
+        self, settings: Settings, declared: ViewOptions | None = None
+    ) -> ViewOptions | None:
+        """The protection of the current request, or None when it is unprotected.
+
+        :param declared: the options of the ``@idem.idempotent`` guard asking, if any.
+        """
         if request.method not in settings.methods or request.url_rule is None:
             return None
-        view = current_app.view_functions.get(request.endpoint or "")
-        options: ViewOptions | None = getattr(view, OPTIONS_ATTRIBUTE, None)
-        if options is EXEMPT:
+        if declared is None:
+            view = current_app.view_functions.get(request.endpoint or "")
+            found = flow.find_guard(view, request.method)
+            declared = t.cast(
+                "ViewOptions | None",
+                getattr(found if found is not None else view, OPTIONS_ATTRIBUTE, None),
+            )
+        if declared is EXEMPT:
             return None
-        if options is not None:
-            return options
+        if declared is not None:
+            return declared
+        # By blueprint object: a blueprint registered twice (name=...) or nested
+        # ("api.child") is protected wherever it is mounted.
         for name in request.blueprints:
-            if name in self._blueprints:
-                return self._blueprints[name]
+            blueprint = current_app.blueprints.get(name)
+            if blueprint is not None and blueprint in self._blueprints:
+                return self._blueprints[blueprint]
         return ViewOptions() if settings.protect_all else None
 
     # -- helpers for views ----------------------------------------------------------------
@@ -310,14 +323,15 @@ class Idempotency:
     # -- hooks ------------------------------------------------------------------------------
 
     def _guard_view(self) -> None:
-        """Guard the view of a request protected by blueprint or app-wide options.
+        """Put the outer guard around a protected endpoint's whole view function, once.
 
-        Views under :meth:`idempotent` are guarded by the decorator; the others are wrapped
-        here, once, the first time a protected request reaches them.
+        It claims for blueprint-wide and app-wide protection; around a view that holds its
+        own ``@idem.idempotent`` guard under other decorators, it only watches: exceptions
+        raised by those decorators are crashes too.
         """
         endpoint = request.endpoint
         view = current_app.view_functions.get(endpoint or "")
-        if view is None or getattr(view, flow.GUARDED_ATTRIBUTE, False):
+        if view is None or getattr(view, flow.GUARD_ATTRIBUTE, None) is view:
             return
         if self.options_for(AppState.current().settings) is not None:
             assert endpoint is not None

@@ -94,33 +94,74 @@ _WAIT_STEP = 0.05
 #: 409 ``request-in-progress`` hints this many seconds: the lease says when an owner counts
 #: as gone, not when it finishes, and most requests finish within a second.
 IN_FLIGHT_RETRY_AFTER = 1
-#: Marks a guarded view function (also on wrappers that copied its ``__dict__``).
-GUARDED_ATTRIBUTE = "__idempotency_guarded__"
+#: A guard's reference to itself, also found on wrappers that copied its ``__dict__``.
+GUARD_ATTRIBUTE = "__idempotency_guard__"
+#: How deep to look through decorators and view classes for a guard (see ``find_guard``).
+_SEARCH_LIMIT = 64
 
 log = logging.getLogger("flask_idem")
 
 
-def guard(view: t.Callable[P, R]) -> t.Callable[P, R]:
-    """Wrap a view so that protected requests claim at dispatch and crashes are seen."""
+def guard(view: t.Callable[P, R], options: ViewOptions | None = None) -> t.Callable[P, R]:
+    """Wrap a view so that protected requests claim when it is called.
+
+    With ``options`` (``@idem.idempotent``) the guard claims with them. Without, it is the
+    outer guard ``init_app`` puts around a protected endpoint's whole view function: it claims
+    with the blueprint's or the app's options, or, when the view holds a guard of its own
+    deeper down, leaves the claim to that one (after the decorators above it) and only watches
+    for exceptions raised around it.
+    """
 
     @functools.wraps(view)
     def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
-        return t.cast(R, enter(view, args, kwargs))
+        return t.cast(R, enter(view, args, kwargs, options))
 
-    setattr(guarded, GUARDED_ATTRIBUTE, True)
+    setattr(guarded, GUARD_ATTRIBUTE, guarded)
     return guarded
+
+
+def find_guard(view: t.Any, method: str) -> t.Any:
+    """The ``@idem.idempotent`` guard inside a view function, or None.
+
+    Looks through decorators (``__wrapped__``, or closures of decorators that did not use
+    ``functools.wraps``) and class-based views (``MethodView``: the method's function).
+    """
+    pending: list[t.Any] = [view]
+    seen: set[int] = set()
+    while pending and len(seen) < _SEARCH_LIMIT:
+        function = pending.pop()
+        if id(function) in seen or not callable(function):
+            continue
+        seen.add(id(function))
+        found = getattr(function, GUARD_ATTRIBUTE, None)
+        if found is not None:
+            return found
+        view_class = getattr(function, "view_class", None)
+        if view_class is not None:
+            pending.append(getattr(view_class, method.lower(), None))
+        pending.append(getattr(function, "__wrapped__", None))
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                pending.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+    return None
 
 
 # -- enter: claim, or answer from the existing record ---------------------------------------
 
 
-def enter(view: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseReturnValue:
+def enter(
+    view: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any, declared: ViewOptions | None
+) -> ResponseReturnValue:
     app_state = AppState.current()
     call = current_app.ensure_sync(view)
     state = RequestState.current()
     if state is not None and state.scope is not None:
-        return t.cast(ResponseReturnValue, call(*args, **kwargs))  # an outer guard claimed
-    options = app_state.extension.options_for(app_state.settings)
+        return run(call, args, kwargs)  # claimed already, by an outer guard
+    if declared is None and find_guard(view, request.method) is not None:
+        return run(call, args, kwargs)  # the view's own guard claims, after its decorators
+    options = app_state.extension.options_for(app_state.settings, declared)
     if options is None:
         return t.cast(ResponseReturnValue, call(*args, **kwargs))
     answer = claim(app_state, options)
@@ -284,7 +325,7 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
     except BaseException:
         # A crash, also when an application error handler turns it into a response.
         state = RequestState.current()
-        if state is not None:
+        if state is not None and state.token is not None:
             state.crashed = True
         raise
 
@@ -343,6 +384,7 @@ def response_snapshot(settings: Settings, response: Response) -> StoredResponse 
 def _complete(app_state: AppState, state: RequestState, response: Response) -> Response:
     assert state.scope is not None and state.token is not None
     snapshot = response_snapshot(app_state.settings, response)
+    committing = False
     try:
         stored = app_state.store.complete(
             state.scope,
@@ -352,13 +394,14 @@ def _complete(app_state: AppState, state: RequestState, response: Response) -> R
             created_at=_created_at(state),
         )
         if state.connection is not None:
+            committing = stored
             with translate_errors():
                 if stored:
                     state.connection.commit()
                 else:
                     state.connection.rollback()
     except StoreUnavailable:
-        return _store_failed(app_state, state, response)
+        return _store_failed(app_state, state, response, committing=committing)
     state.finished = True
     if not stored:
         # The lease expired and a retry took the record over: this request's writes in the
@@ -383,7 +426,9 @@ def _complete(app_state: AppState, state: RequestState, response: Response) -> R
     return response
 
 
-def _store_failed(app_state: AppState, state: RequestState, response: Response) -> Response:
+def _store_failed(
+    app_state: AppState, state: RequestState, response: Response, *, committing: bool
+) -> Response:
     """The view answered but its result could not be recorded: tell the truth."""
     assert state.scope is not None
     log.error("could not store the response", extra={"key_hash": key_hash(state.scope)})
@@ -395,13 +440,23 @@ def _store_failed(app_state: AppState, state: RequestState, response: Response) 
         return response
     released = state.releasable
     give_up(app_state, state, "the store failed before the commit")
-    detail = (
-        "The idempotency store failed before the result was committed; nothing was changed. "
-        "Retry with the same key."
-        if released
-        else "The idempotency store failed before the result was recorded. The operation may "
-        "have taken effect outside this service; retry with the same key, never a new one."
-    )
+    if committing:
+        # The commit itself failed: it may have gone through before the answer was lost.
+        detail = (
+            "The database failed while committing the result, which may or may not have been "
+            "recorded. Retry with the same key: the retry replays it or finishes the operation, "
+            "never runs it twice."
+        )
+    elif released:
+        detail = (
+            "The idempotency store failed before the result was committed; nothing was "
+            "changed. Retry with the same key."
+        )
+    else:
+        detail = (
+            "The idempotency store failed before the result was recorded. The operation may "
+            "have taken effect outside this service; retry with the same key, never a new one."
+        )
     return _problem_response(app_state, state, StoreUnavailableProblem(detail))
 
 
@@ -453,13 +508,14 @@ def internal_error(error: InternalServerError) -> ResponseReturnValue:
     state = RequestState.current()
     if state is None or state.scope is None:
         return error
+    if state.token is None:
+        outcome = "Retry with the same key."  # it failed answering from the record
+    elif state.releasable:
+        outcome = "Nothing was recorded for this key; retry with the same key."
+    else:
+        outcome = "It may have had an effect; retry with the same key, never a new one."
     return InternalError(
-        "The server failed while processing the request. "
-        + (
-            "Nothing was recorded for this key; retry with the same key."
-            if state.releasable or state.token is None
-            else "It may have had an effect; retry with the same key, never a new one."
-        )
+        "The server failed while processing the request. " + outcome
     ).get_response()
 
 

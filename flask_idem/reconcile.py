@@ -147,7 +147,7 @@ def _record_endpoints(
     if isinstance(target, str):
         names = [target] if target in app.view_functions else []
     else:
-        names = [name for name, view in app.view_functions.items() if view is target]
+        names = [name for name, view in app.view_functions.items() if _wraps(view, target)]
     endpoints = [
         f"{method} {rule.rule}"
         for name in names
@@ -161,6 +161,15 @@ def _record_endpoints(
             'or the endpoint as records spell it ("POST /v1/payments")'
         )
     return endpoints
+
+
+def _wraps(view: t.Any, target: t.Any) -> bool:
+    """Whether ``view`` is ``target`` or wraps it (the extension's outer guard does)."""
+    while view is not None:
+        if view is target:
+            return True
+        view = getattr(view, "__wrapped__", None)
+    return False
 
 
 class _Unsettled(Exception):
@@ -180,7 +189,7 @@ def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> S
         # One failing lookup must not stop the run: the record stays and is reported.
         log.exception("reconciler failed", extra={"key_hash": digest})
         return Settlement(record, Action.UNKNOWN, f"reconciler failed: {type(exc).__name__}")
-    if not state.store.resolve(record.scope, response):
+    if not state.store.resolve(record.scope, response, token=record.claim_token):
         return Settlement(record, Action.SKIPPED, "no longer stuck: settled meanwhile")
     action = Action.RELEASED if response is None else Action.COMPLETED
     log.info("reconciled: %s", action.value, extra={"key_hash": digest})

@@ -102,10 +102,12 @@ def exercise(store: SQLStore) -> None:
     store.complete(a, takeover.token, RESPONSE, created_at=first.record.created_at)
     store.release(b, store.claim(b, FP, ttl=600, lease=30).token)
     for scope, answer in ((c, RESPONSE), (d, None)):
-        store.mark_unknown(scope, store.claim(scope, FP, ttl=600, lease=30).token)
-        assert store.resolve(scope, answer)
-    store.mark_unknown(b, store.claim(b, FP, ttl=600, lease=30).token)
-    assert store.reopen(b)
+        token = store.claim(scope, FP, ttl=600, lease=30).token
+        store.mark_unknown(scope, token)
+        assert store.resolve(scope, answer, token=token)
+    token = store.claim(b, FP, ttl=600, lease=30).token
+    store.mark_unknown(b, token)
+    assert store.reopen(b, token=token)
     token = store.claim(e, FP, ttl=600, lease=30).token
     connection = store.begin()
     try:

@@ -323,24 +323,46 @@ def test_show_prints_bodies_only_when_configured(app_factory: Factory) -> None:
 # -- release ---------------------------------------------------------------------------------
 
 
-def test_release_asks_first_then_frees_the_key(app_factory: Factory) -> None:
+def test_release_refuses_a_completed_operation(app_factory: Factory) -> None:
     app, _, counter = app_factory()
     _pay(app, "rel-key")
-    args = ("release", "rel-key", "--tenant", "alpha", "--endpoint", PAYMENTS, "--not-happened")
+    for extra in ((), ("--not-happened",)):
+        args = ("release", "rel-key", "--tenant", "alpha", "--endpoint", PAYMENTS, *extra)
+        refused = idem(app, *args, input="y\n")
+        assert refused.exit_code == 1
+        assert "it happened, and releasing it would run it a second time" in refused.stderr
+        assert "Idempotent-Replayed" in _pay(app, "rel-key").headers, "nothing released"
+    assert counter.calls == 1
 
+
+def test_release_asks_first_then_reopens_as_the_same_operation(store: SQLStore) -> None:
+    app = flask.Flask("release")
+    idem_app = Idempotency(app, store=store, tenant=lambda: "alpha")
+    charges: list[str] = []
+
+    @app.post("/payments")
+    @idem_app.idempotent
+    def pay() -> t.Any:
+        charges.append(idem_app.downstream_key("charge"))
+        if len(charges) == 1:
+            raise RuntimeError("the provider charged, then the answer was lost")
+        return "paid", 201
+
+    client = app.test_client()
+    assert client.post("/payments", headers={"Idempotency-Key": "rel-key"}).status_code == 500
+    args = ("release", "rel-key", "--tenant", "alpha", "--endpoint", PAYMENTS)
     declined = idem(app, *args, input="n\n")
     assert declined.exit_code == 1
-    assert "The operation completed: a retry will execute it a second time." in declined.stderr
+    assert "The next retry runs it again as the same operation" in declined.stderr
     assert "Release this key? [y/N]" in declined.stderr
     assert declined.stdout == "", "the prompt goes to stderr"
-    assert "Idempotent-Replayed" in _pay(app, "rel-key").headers, "nothing released"
-
     accepted = idem(app, *args, input="y\n")
     assert accepted.exit_code == 0, accepted.output
     scope = Scope("alpha", PAYMENTS, "rel-key")
-    assert accepted.stdout == f"released POST /payments for alpha, key hash {key_hash(scope)}\n"
-    assert "Idempotent-Replayed" not in _pay(app, "rel-key").headers
-    assert counter.calls == 2, "the released key executed afresh"
+    assert accepted.stdout == f"reopened POST /payments for alpha, key hash {key_hash(scope)}\n"
+    again = client.post("/payments", headers={"Idempotency-Key": "rel-key"})
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again.headers
+    assert charges[0] == charges[1], "the re-run keeps its downstream key"
 
 
 def test_release_with_yes_and_json(store: SQLStore) -> None:
@@ -376,6 +398,10 @@ def test_release_warns_about_a_running_request(store: SQLStore) -> None:
     )
     assert "Its request is still running" in result.stderr
     assert store.get(scope) is not None
+    args = ("release", "running", "--tenant", "alpha", "--endpoint", PAYMENTS)
+    forced = idem(app, *args, "--not-happened", "--yes")
+    assert forced.exit_code == 1 and "Its request is still running" in forced.stderr
+    assert store.get(scope) is not None, "a running retry is never forgotten under it"
 
 
 def test_release_is_scoped_by_tenant(store: SQLStore) -> None:

@@ -12,6 +12,7 @@ import typing as t
 import flask
 import pytest
 import sqlalchemy as sa
+from flask.views import MethodView
 
 from flask_idem import Idempotency, Scope, State, StoredResponse
 from flask_idem.store import SQLStore
@@ -407,7 +408,188 @@ def test_reopened_record_reruns_as_the_same_operation(
     assert _post(client, "/pay").status_code == 500
     assert _problem(_post(client, "/pay")) == "outcome-pending"
     scope = Scope("alpha", "POST /pay", "k")
-    assert store.reopen(scope)
-    assert not store.reopen(scope), "only stuck records reopen"
+    token = store.get(scope).claim_token
+    assert not store.reopen(scope, token="another"), "fenced by the token seen"
+    assert store.reopen(scope, token=token)
+    assert not store.reopen(scope, token=token), "only stuck records reopen"
     assert _post(client, "/pay").get_json() == {"charge": 1}
     assert len(provider.charges) == 1 and provider.calls == 2
+
+
+# -- whatever a user writes around the view ---------------------------------------------------
+
+
+def _no_wraps(view: t.Callable[..., t.Any]) -> t.Callable[..., t.Any]:
+    def plain(*args: t.Any, **kwargs: t.Any) -> t.Any:  # no functools.wraps
+        return view(*args, **kwargs)
+
+    return plain
+
+
+def test_a_decorator_without_wraps_keeps_the_view_protected(app_factory: Factory) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/plain")
+    @_no_wraps
+    @idem.idempotent(exclude=["client_ts"])
+    def plain() -> t.Any:
+        counter.bump()
+        return "done", 201
+
+    client = app.test_client()
+    for n in range(3):
+        answer = client.post(
+            "/plain", json={"a": 1, "client_ts": n}, headers={"Idempotency-Key": "k"}
+        )
+        assert answer.status_code == 201
+    assert answer.headers["Idempotent-Replayed"] == "true", "the view's own exclude= applies"
+    assert counter.calls == 1
+
+
+def test_a_method_view_is_protected(app_factory: Factory) -> None:
+    app, idem, counter = app_factory()
+
+    class Orders(MethodView):
+        @idem.idempotent
+        def post(self) -> t.Any:
+            counter.bump()
+            return "ordered", 201
+
+    app.add_url_rule("/orders", view_func=Orders.as_view("orders"))
+    client = app.test_client()
+    first = _post(client, "/orders")
+    assert first.headers["Idempotency-Key"] == "k"
+    assert _post(client, "/orders").headers["Idempotent-Replayed"] == "true"
+    assert counter.calls == 1
+
+
+def test_blueprints_are_protected_wherever_they_are_mounted(store: SQLStore) -> None:
+    app = flask.Flask("mounts")
+    idem = Idempotency(store=store, tenant=lambda: "alpha")
+    calls = Counter()
+    payments, api, child = (flask.Blueprint(name, __name__) for name in ("pay", "api", "child"))
+
+    @payments.post("/pay")
+    @child.post("/pay")
+    def pay() -> t.Any:
+        calls.bump()
+        return "paid", 201
+
+    idem.protect_blueprint(payments)
+    idem.protect_blueprint(child)
+    idem.init_app(app)
+    app.register_blueprint(payments, url_prefix="/v1")
+    app.register_blueprint(payments, url_prefix="/v2", name="payments_v2")
+    api.register_blueprint(child, url_prefix="/child")
+    app.register_blueprint(api, url_prefix="/api")
+    client = app.test_client()
+    for path in ("/v1/pay", "/v2/pay", "/api/child/pay"):
+        assert _post(client, path).status_code == 201
+        assert _post(client, path).headers["Idempotent-Replayed"] == "true", path
+    assert calls.calls == 3
+
+
+def test_an_exception_raised_around_the_view_is_a_crash(
+    app_factory: Factory, store: SQLStore, business: sa.Table
+) -> None:
+    app, idem, _ = app_factory()
+
+    @app.errorhandler(Exception)
+    def everything(error: Exception) -> t.Any:
+        return {"error": type(error).__name__}, 500
+
+    def fails_afterwards(view: t.Callable[..., t.Any]) -> t.Callable[..., t.Any]:
+        @functools.wraps(view)
+        def wrapper(*args: t.Any, **kwargs: t.Any) -> t.Any:
+            view(*args, **kwargs)
+            raise ValueError("the decorator failed after the view")
+
+        return wrapper
+
+    @app.post("/around")
+    @fails_afterwards
+    @idem.idempotent
+    def around() -> t.Any:
+        idem.connection().execute(business.insert())
+        idem.side_effect()
+        return "done", 201
+
+    assert _post(app.test_client(), "/around").status_code == 500
+    assert _record(store, "/around").state is State.UNKNOWN, "never a stored 500"
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(business)).scalar() == 0
+
+
+def test_a_failing_replay_never_says_nothing_was_recorded(app_factory: Factory) -> None:
+    app, idem, counter = app_factory()
+
+    def broken(stored: StoredResponse) -> t.Any:
+        raise RuntimeError("cannot sign")
+
+    @app.post("/links")
+    @idem.idempotent(replay=broken)
+    def links() -> t.Any:
+        counter.bump()
+        return "link", 201
+
+    client = app.test_client()
+    _post(client, "/links")
+    failed = _post(client, "/links")
+    assert failed.status_code == 500 and "Nothing was recorded" not in failed.get_json()["detail"]
+    assert counter.calls == 1
+
+
+def test_a_stale_reconciler_verdict_never_settles_a_retry(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    """The reconciler looks the provider up while a retry takes the operation over (and fails
+    again): its stale "not happened" must not delete the retry's record."""
+    from flask_idem.reconcile import Verdict, reconcile
+
+    app, idem, _ = app_factory()
+    provider = FakeProvider()
+
+    @app.post("/pay")
+    @idem.idempotent(recovery="reexecute")
+    def pay() -> t.Any:
+        key = idem.downstream_key("charge")
+        if provider.calls == 0:
+            provider.calls += 1
+            raise ConnectionError("provider unreachable")  # nothing charged
+        return {"charge": provider.charge(key)}, 201  # charges, then the answer is lost
+
+    client = app.test_client()
+
+    @idem.reconciler(pay)
+    def outcome(record: t.Any) -> Verdict:
+        assert _post(client, "/pay").status_code == 500, "the retry charged, then failed"
+        return Verdict.not_happened("the provider had nothing when asked")
+
+    assert _post(client, "/pay").status_code == 500
+    with app.app_context():
+        [settlement] = list(reconcile(store.stuck()))
+    assert settlement.action.value == "skipped"
+    assert _record(store, "/pay").state is State.UNKNOWN
+    assert _post(client, "/pay").get_json() == {"charge": 1}
+    assert len(provider.charges) == 1, "one charge: the record was never deleted"
+
+
+def test_reconcile_finds_views_the_extension_wrapped(store: SQLStore) -> None:
+    from flask_idem.reconcile import Verdict, reconcile
+
+    app = flask.Flask("wrapped")
+    idem = Idempotency(store=store, tenant=lambda: "alpha")
+    blueprint = flask.Blueprint("orders", __name__)
+
+    @blueprint.post("/orders")
+    def create_order() -> t.Any:
+        raise RuntimeError("died")
+
+    idem.protect_blueprint(blueprint)
+    idem.init_app(app)
+    app.register_blueprint(blueprint)
+    idem.reconciler(create_order)(lambda record: Verdict.happened(("ordered", 201)))
+    assert _post(app.test_client(), "/orders").status_code == 500
+    with app.app_context():
+        [settlement] = list(reconcile(store.stuck()))
+    assert settlement.action.value == "completed"

@@ -271,13 +271,14 @@ def test_stuck_lists_expired_leases_and_unknown_outcomes_oldest_first(store: SQL
     shift(store, dead, 31, "lease_expires_at")
     shift(store, unknown, 5, "created_at")
     assert [record.scope for record in store.stuck()] == [unknown, dead]
-    assert not store.resolve(alive, RESPONSE), "a live owner is never overruled"
-    assert not store.resolve(done, None)
-    assert store.resolve(dead, RESPONSE)
+    assert not store.resolve(alive, RESPONSE, token=None), "a live owner is never overruled"
+    assert not store.resolve(done, None, token=None)
+    assert not store.resolve(dead, RESPONSE, token="another"), "fenced by the token seen"
+    assert store.resolve(dead, RESPONSE, token=dead_token)
     replay = store.claim(dead, FP, ttl=600, lease=30)
     assert not replay.claimed and replay.record.response == RESPONSE
     assert not store.complete(dead, dead_token, RESPONSE)
-    assert store.resolve(unknown, None)
+    assert store.resolve(unknown, None, token=store.stuck()[0].claim_token)
     assert store.claim(unknown, FP, ttl=600, lease=30).claimed
     assert store.stuck() == []
 

@@ -95,24 +95,28 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def stuck(self, *, limit: int = 1000) -> list[Record]:
-        """Records in progress past their lease, and records whose outcome is unknown,
-        oldest first, across tenants (for operators and reconcilers)."""
+        """Records in progress past their lease, records whose outcome is unknown and
+        reopened ones no retry has run yet, oldest first, across tenants (for operators and
+        reconcilers)."""
 
     @abc.abstractmethod
-    def resolve(self, scope: Scope, response: StoredResponse | None) -> bool:
+    def resolve(self, scope: Scope, response: StoredResponse | None, *, token: str | None) -> bool:
         """Settle a stuck record from outside the request that claimed it.
 
         With a response the record completes (later retries replay it); with None the key is
-        released. Only records that are ``unknown`` or whose lease has expired can be settled,
-        never one whose owner is still alive.
+        released. Only records that are ``unknown``, ``reopened`` or whose lease has expired can
+        be settled, never one whose owner is still alive, and only while the record still
+        carries ``token``, the claim token of the record the caller looked at: a retry that
+        took the operation over meanwhile is never settled by a stale verdict.
         """
 
     @abc.abstractmethod
-    def reopen(self, scope: Scope) -> bool:
+    def reopen(self, scope: Scope, *, token: str | None) -> bool:
         """Let the next retry run a stuck record's operation again as the same operation.
 
-        Only ``unknown`` records and in-progress ones past their lease can be reopened; the
-        record keeps its ``created_at`` and therefore its downstream keys.
+        Only ``unknown`` records and in-progress ones past their lease can be reopened, and
+        only while they carry ``token`` (see :meth:`resolve`); the record keeps its
+        ``created_at`` and therefore its downstream keys.
         """
 
     @abc.abstractmethod

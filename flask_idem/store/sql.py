@@ -290,11 +290,11 @@ class SQLStore(Store):
         )
 
     def _stuck(self) -> sa.ColumnElement[bool]:
-        """Unknown, or in progress past the lease: nobody owns the outcome."""
+        """Unknown, reopened, or in progress past the lease: nobody owns the outcome."""
         return sa.and_(
             self._alive(),
             sa.or_(
-                table.c.state == State.UNKNOWN.value,
+                table.c.state.in_([State.UNKNOWN.value, State.REOPENED.value]),
                 sa.and_(
                     table.c.state == State.IN_PROGRESS.value,
                     table.c.lease_expires_at <= self.now(),
@@ -324,10 +324,15 @@ class SQLStore(Store):
         )
         return [record_from_row(None, row) for row in self._execute(statement).rows]
 
-    def resolve(self, scope: Scope, response: StoredResponse | None) -> bool:
-        settle = sa.and_(self._live(scope), self._stuck())
+    def resolve(self, scope: Scope, response: StoredResponse | None, *, token: str | None) -> bool:
+        # Fenced by the token the caller saw: a retry that took the record over meanwhile
+        # (and maybe got stuck again) has another token, and its operation is not settled.
+        settle = sa.and_(
+            self._live(scope), self._stuck(), table.c.claim_token == sa.bindparam("p_token")
+        )
+        fence = {"p_token": token}
         if response is None:
-            return self._execute(table.delete().where(settle)).rowcount == 1
+            return self._execute(table.delete().where(settle), fence).rowcount == 1
         statement = (
             table.update()
             .where(settle)
@@ -340,15 +345,20 @@ class SQLStore(Store):
                 lease_expires_at=None,
             )
         )
-        return self._execute(statement).rowcount == 1
+        return self._execute(statement, fence).rowcount == 1
 
-    def reopen(self, scope: Scope) -> bool:
+    def reopen(self, scope: Scope, *, token: str | None) -> bool:
         statement = (
             table.update()
-            .where(self._live(scope), self._stuck())
+            .where(
+                self._live(scope),
+                self._stuck(),
+                table.c.state != State.REOPENED.value,
+                table.c.claim_token == sa.bindparam("p_token"),
+            )
             .values(state=State.REOPENED.value, lease_expires_at=self.now())
         )
-        return self._execute(statement).rowcount == 1
+        return self._execute(statement, {"p_token": token}).rowcount == 1
 
     def evict(self, scope: Scope) -> bool:
         return self._execute(table.delete().where(self._live(scope))).rowcount >= 1
