@@ -52,6 +52,7 @@ from .problem import (
     TenantUnresolved,
 )
 from .record import ClaimResult, Record, Scope, State, StoredResponse
+from .sealing import Sealer, unreadable_problem
 from .store import Store, create_store
 from .store.sql import translate_errors
 
@@ -189,6 +190,7 @@ class Idempotency:
             raise RuntimeError("flask_idem is already registered on this application")
         settings = Settings.from_mapping(app.config)
         store = self._store or self._build_store(settings)
+        store.use_sealer(Sealer.from_settings(settings))
         if settings.ensure_partitions:
             _ensure_partitions(store, settings.partitions_ahead)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, LeaseKeeper(store))
@@ -447,6 +449,8 @@ class Idempotency:
                 "use a new key for a new operation."
             )
         if record.state is State.COMPLETED:
+            if record.unreadable is not None:
+                raise unreadable_problem(record)
             assert record.response is not None
             _emit(signals.replayed, record.scope, status=record.response.status)
             raise _Replay(_replay(record.response))

@@ -15,10 +15,12 @@ import secrets
 import typing as t
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
-from ..errors import StoreUnavailable
-from ..record import ClaimResult, Record, Scope, State, StoredResponse
+from ..errors import StoreUnavailable, UnreadableResponse
+from ..record import ClaimResult, KeyUsage, Record, Scope, State, StoredResponse
 from ..schema import idempotency_keys as table
+from ..sealing import KEY_ID_OFFSET, KEY_ID_SIZE, MAGIC, Sealer, key_id_of
 from .base import Store
 
 #: Columns read back for a record, in a fixed order shared with the claim function.
@@ -34,6 +36,14 @@ RECORD_COLUMNS: tuple[str, ...] = (
     "completed_at",
     "expires_at",
 )
+
+#: ``response_headers`` as written: None is SQL NULL (the mark of a sealed envelope), never
+#: the JSON ``null`` SQLAlchemy writes by default, so that SQL can tell the layouts apart.
+_HEADERS = sa.JSON(none_as_null=True).with_variant(
+    postgresql.JSONB(none_as_null=True), "postgresql"
+)
+#: Reads every layout (plain, compressed, encrypted with a configured key).
+_READER = Sealer()
 
 
 @contextlib.contextmanager
@@ -52,23 +62,34 @@ def _aware(value: dt.datetime | None) -> dt.datetime | None:
     return value
 
 
-def record_from_row(scope: Scope | None, row: t.Any) -> Record:
+def record_from_row(scope: Scope | None, row: t.Any, sealer: Sealer = _READER) -> Record:
     """Build a :class:`Record` from a row carrying ``RECORD_COLUMNS`` and ``db_now`` (and the
-    scope columns when ``scope`` is None)."""
+    scope columns when ``scope`` is None).
+
+    A stored response that ``sealer`` cannot open (key not configured, authentication failed)
+    leaves ``response`` None and says why in ``unreadable``: reading the record still works
+    (for 422, the CLI and the inspection view); only a replay is refused.
+    """
     m = row._mapping
     if scope is None:
         scope = Scope(m["tenant"], m["endpoint"], m["key"])
-    response = None
-    if m["response_status"] is not None and m["response_body"] is not None:
-        response = StoredResponse(
-            status=m["response_status"],
-            headers=tuple((str(k), str(v)) for k, v in (m["response_headers"] or ())),
-            body=bytes(m["response_body"]),
-        )
     created_at = _aware(m["created_at"])
     expires_at = _aware(m["expires_at"])
     now = _aware(m["db_now"])
     assert created_at is not None and expires_at is not None and now is not None
+    response = None
+    unreadable = None
+    if m["response_status"] is not None and m["response_body"] is not None:
+        try:
+            response = sealer.open(
+                scope,
+                created_at,
+                m["response_status"],
+                m["response_headers"],
+                bytes(m["response_body"]),
+            )
+        except UnreadableResponse as exc:
+            unreadable = exc.reason
     return Record(
         scope=scope,
         fingerprint=bytes(m["fingerprint"]),
@@ -80,6 +101,7 @@ def record_from_row(scope: Scope | None, row: t.Any) -> Record:
         completed_at=_aware(m["completed_at"]),
         expires_at=expires_at,
         now=now,
+        unreadable=unreadable,
     )
 
 
@@ -144,7 +166,7 @@ class SQLStore(Store):
             .values(
                 state=sa.bindparam("p_state"),
                 response_status=sa.bindparam("p_status"),
-                response_headers=sa.bindparam("p_headers", type_=table.c.response_headers.type),
+                response_headers=sa.bindparam("p_headers", type_=_HEADERS),
                 response_body=sa.bindparam("p_body", type_=table.c.response_body.type),
                 completed_at=self.now(),
                 lease_expires_at=None,
@@ -184,20 +206,34 @@ class SQLStore(Store):
         connection: sa.Connection | None = None,
         created_at: dt.datetime | None = None,
     ) -> bool:
+        if response is not None and self.sealer.encrypting and created_at is None:
+            # The ciphertext is bound to the record's created_at: read it (the write below
+            # then matches only that record).
+            created_at = self._owned_created_at(scope, token, connection)
+            if created_at is None:
+                return False
         parameters = self._owner(scope, token, created_at)
         if response is None:
             parameters.update(
                 p_state=State.UNSTORED.value, p_status=None, p_headers=None, p_body=None
             )
         else:
+            headers, body = self.sealer.seal(response, scope, created_at)
             parameters.update(
                 p_state=State.COMPLETED.value,
                 p_status=response.status,
-                p_headers=[list(pair) for pair in response.headers],
-                p_body=response.body,
+                p_headers=headers,
+                p_body=body,
             )
         outcome = self._execute(self._complete_statement, parameters, connection)
         return outcome.rowcount == 1
+
+    def _owned_created_at(
+        self, scope: Scope, token: str, connection: sa.Connection | None
+    ) -> dt.datetime | None:
+        statement = sa.select(table.c.created_at).where(self._owned())
+        row = self._execute(statement, self._owner(scope, token, None), connection).first
+        return None if row is None else _aware(row[0])
 
     def release(self, scope: Scope, token: str, *, created_at: dt.datetime | None = None) -> bool:
         parameters = self._owner(scope, token, created_at)
@@ -231,7 +267,11 @@ class SQLStore(Store):
             .returning(*self._returning())
         )
         row = self._execute(statement, self._owner(scope, token, None)).first
-        return None if row is None else ClaimResult(record_from_row(scope, row), claimed=True)
+        return (
+            None
+            if row is None
+            else ClaimResult(record_from_row(scope, row, self.sealer), claimed=True)
+        )
 
     def get(self, scope: Scope) -> Record | None:
         statement = (
@@ -241,7 +281,7 @@ class SQLStore(Store):
             .limit(1)
         )
         row = self._execute(statement).first
-        return None if row is None else record_from_row(scope, row)
+        return None if row is None else record_from_row(scope, row, self.sealer)
 
     def _alive(self) -> sa.ColumnElement[bool]:
         """A record counts until its TTL ends and, while in progress, as long as its owner
@@ -285,7 +325,7 @@ class SQLStore(Store):
         )
         if endpoint is not None:
             statement = statement.where(table.c.endpoint == endpoint)
-        return [record_from_row(None, row) for row in self._execute(statement).rows]
+        return [record_from_row(None, row, self.sealer) for row in self._execute(statement).rows]
 
     def stuck(self, *, limit: int = 1000) -> list[Record]:
         statement = (
@@ -294,25 +334,76 @@ class SQLStore(Store):
             .order_by(table.c.created_at)
             .limit(limit)
         )
-        return [record_from_row(None, row) for row in self._execute(statement).rows]
+        return [record_from_row(None, row, self.sealer) for row in self._execute(statement).rows]
 
-    def resolve(self, scope: Scope, response: StoredResponse | None) -> bool:
+    def resolve(
+        self,
+        scope: Scope,
+        response: StoredResponse | None,
+        *,
+        created_at: dt.datetime | None = None,
+    ) -> bool:
         settle = sa.and_(self._live(scope), self._stuck())
+        if response is not None and self.sealer.encrypting and created_at is None:
+            row = self._execute(sa.select(table.c.created_at).where(settle)).first
+            if row is None:
+                return False
+            created_at = _aware(row[0])
+        if created_at is not None:
+            settle = sa.and_(settle, table.c.created_at == created_at)
         if response is None:
             return self._execute(table.delete().where(settle)).rowcount == 1
+        headers, body = self.sealer.seal(response, scope, created_at)
         statement = (
             table.update()
             .where(settle)
             .values(
                 state=State.COMPLETED.value,
                 response_status=response.status,
-                response_headers=[list(pair) for pair in response.headers],
-                response_body=response.body,
+                response_headers=sa.null() if headers is None else headers,
+                response_body=body,
                 completed_at=self.now(),
                 lease_expires_at=None,
             )
         )
         return self._execute(statement).rowcount == 1
+
+    def key_usage(self) -> list[KeyUsage]:
+        body = table.c.response_body
+        # The key id field of an envelope, NULL for plain rows; counted without reading bodies.
+        key_field = sa.case(
+            (
+                sa.and_(
+                    table.c.response_headers.is_(None),
+                    sa.func.substr(body, 1, len(MAGIC), type_=sa.LargeBinary)
+                    == sa.literal(MAGIC, sa.LargeBinary),
+                ),
+                sa.func.substr(body, KEY_ID_OFFSET, KEY_ID_SIZE, type_=sa.LargeBinary),
+            ),
+            else_=sa.null(),
+        )
+        rows = (
+            sa.select(key_field.label("key_field"), table.c.expires_at)
+            .where(body.is_not(None), self._alive())
+            .subquery()
+        )
+        statement = sa.select(
+            rows.c.key_field, sa.func.count(), sa.func.max(rows.c.expires_at)
+        ).group_by(rows.c.key_field)
+        usage: dict[str | None, KeyUsage] = {}
+        for row in self._execute(statement).rows:
+            key_field_value, count, last = t.cast("tuple[t.Any, int, t.Any]", tuple(row))
+            last = _aware(last)
+            key_id = None if key_field_value is None else key_id_of(bytes(key_field_value))
+            previous = usage.get(key_id)
+            if previous is not None:  # plain rows and compressed-only envelopes
+                count += previous.rows
+                if previous.last_expires_at is not None and (
+                    last is None or previous.last_expires_at > last
+                ):
+                    last = previous.last_expires_at
+            usage[key_id] = KeyUsage(key_id, count, last)
+        return sorted(usage.values(), key=lambda u: (u.key_id is None, u.key_id or ""))
 
     def evict(self, scope: Scope) -> bool:
         return self._execute(table.delete().where(self._live(scope))).rowcount >= 1
