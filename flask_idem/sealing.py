@@ -132,9 +132,10 @@ def parse_keys(raw: t.Any, name: str = "IDEMPOTENCY_ENCRYPTION_KEYS") -> tuple[E
             raise ConfigurationError(f"{name}: give each key as a pair (id, key)")
         key_id, secret = pair
         if not isinstance(key_id, str) or not KEY_ID_PATTERN.fullmatch(key_id):
+            # Not echoed: a key given in the id's place (pair reversed) would end up in a log.
             raise ConfigurationError(
-                f"{name}: a key id is 1 to {KEY_ID_SIZE} characters from A-Z a-z 0-9 . _ -"
-                + (f", got {key_id!r}" if isinstance(key_id, str) and len(key_id) < 64 else "")
+                f"{name}: key number {len(keys) + 1} has an invalid id; a key id is 1 to "
+                f"{KEY_ID_SIZE} characters from A-Z a-z 0-9 . _ - (is the pair reversed?)"
             )
         if any(key.id == key_id for key in keys):
             raise ConfigurationError(f"{name}: key id {key_id!r} is given twice")

@@ -185,6 +185,8 @@ def test_keys_are_read_in_every_spelling_first_one_first() -> None:
         ({"bad id!": K1}, "key id is 1 to 16 characters"),
         ({"a" * 17: K1}, "key id is 1 to 16 characters"),
         ([("k1", K1), ("k1", K2)], "'k1' is given twice"),
+        ({K1: "k1"}, "key number 1 has an invalid id"),
+        ([("k1", K2), ("x/y=", K1)], "key number 2 has an invalid id"),
         ("k1=" + K1, "id:base64key"),
         (42, "must be a mapping"),
         ({"k1": 42}, "'k1' is not a string"),
