@@ -1,8 +1,11 @@
-"""``python -m bench [run] [--quick]``, ``python -m bench growth``, ``python -m bench report``.
+"""``python -m bench [run] [--quick]``, ``python -m bench growth``, ``python -m bench sealing``,
+``python -m bench report``.
 
 ``run`` (the default) is ``make bench``; ``--quick`` is ``make bench-quick``. ``growth`` fills
-the table to millions of records and times the claim and partition expiry. ``report FILE``
-re-prints a results file, ``--markdown`` as the table for README.
+the table to millions of records and times the claim and partition expiry. ``sealing``
+measures compression and encryption of stored responses, on and off (``make bench
+BENCH_MODE=sealing``). ``report FILE`` re-prints a results file, ``--markdown`` as the table
+for README.
 """
 
 from __future__ import annotations
@@ -45,11 +48,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     growth.add_argument("--drop-rows", type=int, default=1_000_000, help="rows in the day dropped")
     growth.add_argument("--output", type=Path)
 
+    sealing = commands.add_parser(
+        "sealing", help="cost of compression and encryption of stored responses, on and off"
+    )
+    sealing.add_argument("--quick", action="store_true", help="fewer iterations (< 1 minute)")
+    sealing.add_argument("--output", type=Path)
+
     show = commands.add_parser("report", help="re-print a results file")
     show.add_argument("file", type=Path)
     show.add_argument("--markdown", action="store_true")
 
-    if not argv or argv[0] not in ("run", "growth", "report", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "growth", "sealing", "report", "-h", "--help"):
         argv = ["run", *argv]
     return parser.parse_args(argv)
 
@@ -62,10 +71,25 @@ def main(argv: list[str]) -> int:
             from .growth import format_text as growth_text
 
             print(growth_text(document))
+        elif document.get("kind") == "sealing":
+            from .sealing import format_text as sealing_text
+
+            print(sealing_text(document))
         else:
             print(
                 report.format_markdown(document) if args.markdown else report.format_text(document)
             )
+        return 0
+    if args.command == "sealing":
+        from . import sealing as sealing_bench
+
+        options = (
+            sealing_bench.SealingOptions.quick() if args.quick else sealing_bench.SealingOptions()
+        )
+        document = sealing_bench.run(options)
+        path = report.write(document, args.output or report.RESULTS_DIR)
+        print(sealing_bench.format_text(document))
+        print(f"\nwritten to {path}")
         return 0
     if args.command == "growth":
         from . import growth

@@ -10,6 +10,7 @@ import urllib.parse
 import sqlalchemy as sa
 
 from .errors import ConfigurationError
+from .sealing import DEFAULT_COMPRESS_MIN, EncryptionKey, parse_keys
 
 #: Config key -> default. README's configuration table documents each of them.
 DEFAULTS: dict[str, t.Any] = {
@@ -31,6 +32,9 @@ DEFAULTS: dict[str, t.Any] = {
     "IDEMPOTENCY_ENSURE_PARTITIONS": False,
     "IDEMPOTENCY_BLUEPRINT_PREFIX": "/idempotency",
     "IDEMPOTENCY_INSPECT_BODIES": False,
+    "IDEMPOTENCY_ENCRYPTION_KEYS": (),
+    "IDEMPOTENCY_COMPRESS_MIN": DEFAULT_COMPRESS_MIN,
+    "IDEMPOTENCY_REQUIRE_ENCRYPTED": False,
 }
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an HTTP field name (RFC 9110 token)
@@ -60,6 +64,11 @@ class Settings:
     #: URL prefix of the inspection blueprint, or None when it is switched off.
     blueprint_prefix: str | None
     inspect_bodies: bool
+    #: The first key encrypts stored responses, all of them decrypt (``repr`` shows ids only).
+    encryption_keys: tuple[EncryptionKey, ...] = ()
+    #: Bodies of at least this many bytes are stored compressed; None: never.
+    compress_min: int | None = DEFAULT_COMPRESS_MIN
+    require_encrypted: bool = False
 
     @property
     def headers(self) -> tuple[str, ...]:
@@ -136,6 +145,20 @@ class Settings:
                 "IDEMPOTENCY_BLUEPRINT_PREFIX must be a path starting with '/' (e.g. "
                 f"'/idempotency'), or None to switch the inspection endpoint off; got {prefix!r}"
             )
+        compress_raw = value["IDEMPOTENCY_COMPRESS_MIN"]
+        compress_min = (
+            None
+            if compress_raw is None or compress_raw is False or compress_raw == ""
+            else number("IDEMPOTENCY_COMPRESS_MIN", minimum=0, integer=True)
+        )
+        # parse_keys never echoes key material in its errors.
+        encryption_keys = parse_keys(value["IDEMPOTENCY_ENCRYPTION_KEYS"])
+        require_encrypted = flag("IDEMPOTENCY_REQUIRE_ENCRYPTED")
+        if require_encrypted and not encryption_keys:
+            raise ConfigurationError(
+                "IDEMPOTENCY_REQUIRE_ENCRYPTED needs IDEMPOTENCY_ENCRYPTION_KEYS: configure the "
+                "keys first, and turn it on one TTL after encryption was switched on"
+            )
         header = names("IDEMPOTENCY_HEADER")
         if len(header) != 1:
             raise ConfigurationError("IDEMPOTENCY_HEADER must be one header name")
@@ -158,4 +181,7 @@ class Settings:
             ensure_partitions=flag("IDEMPOTENCY_ENSURE_PARTITIONS"),
             blueprint_prefix=prefix,
             inspect_bodies=flag("IDEMPOTENCY_INSPECT_BODIES"),
+            encryption_keys=encryption_keys,
+            compress_min=compress_min,
+            require_encrypted=require_encrypted,
         )

@@ -13,3 +13,12 @@ class StoreUnavailable(IdempotencyError):
 
 class ConfigurationError(IdempotencyError, ValueError):
     """An ``IDEMPOTENCY_*`` setting or constructor argument is invalid."""
+
+
+class UnreadableResponse(IdempotencyError):
+    """A stored response cannot be decoded: malformed, encrypted with a key that is not
+    configured, or failing authentication. The message names key ids, never key material."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"stored response unreadable: {reason}")
+        self.reason = reason

@@ -25,6 +25,7 @@ from .options import (
     ReplayFunction,
     ViewOptions,
 )
+from .sealing import Sealer
 from .state import EXTENSION_NAME, AppState, RequestState
 from .store import Store, create_store
 
@@ -77,6 +78,7 @@ class Idempotency:
             raise RuntimeError("flask_idem is already registered on this application")
         settings = Settings.from_mapping(app.config)
         store = self._store or self._build_store(settings)
+        store.use_sealer(Sealer.from_settings(settings))
         if settings.ensure_partitions:
             _ensure_partitions(store, settings.partitions_ahead)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, LeaseKeeper(store))

@@ -84,6 +84,7 @@ from .problem import (
     TenantUnresolved,
 )
 from .record import ClaimResult, Record, Scope, State, StoredResponse
+from .sealing import unreadable_problem
 from .state import AppState, RequestState
 from .store.sql import translate_errors
 
@@ -226,6 +227,8 @@ def answer_existing(
             "use a new key for a new operation."
         )
     if record.state is State.COMPLETED:
+        if record.unreadable is not None:
+            raise unreadable_problem(record)  # never a replay of garbage, never a re-run
         assert record.response is not None
         _emit(signals.replayed, record.scope, status=record.response.status)
         return replay(record.response, options)

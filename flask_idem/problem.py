@@ -141,6 +141,21 @@ class StoreUnavailableProblem(Problem):
         super().__init__(detail, headers=_retry_after(retry_after))
 
 
+class StoredResponseUnreadable(Problem):
+    """The operation completed but its stored response cannot be decrypted or decoded.
+
+    503 with ``Retry-After``: the request is not executed again, and a retry with the same key
+    replays once an operator restores the missing encryption key.
+    """
+
+    problem = "stored-response-unreadable"
+    code = 503
+    title = "Stored response unreadable"
+
+    def __init__(self, detail: str, *, retry_after: int = 30) -> None:
+        super().__init__(detail, headers=_retry_after(retry_after))
+
+
 class TenantUnresolved(Problem):
     problem = "tenant-unresolved"
     code = 500

@@ -189,7 +189,10 @@ def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> S
         # One failing lookup must not stop the run: the record stays and is reported.
         log.exception("reconciler failed", extra={"key_hash": digest})
         return Settlement(record, Action.UNKNOWN, f"reconciler failed: {type(exc).__name__}")
-    if not state.store.resolve(record.scope, response, token=record.claim_token):
+    settled = state.store.resolve(
+        record.scope, response, token=record.claim_token, created_at=record.created_at
+    )
+    if not settled:
         return Settlement(record, Action.SKIPPED, "no longer stuck: settled meanwhile")
     action = Action.RELEASED if response is None else Action.COMPLETED
     log.info("reconciled: %s", action.value, extra={"key_hash": digest})

@@ -63,6 +63,9 @@ class Record:
     completed_at: dt.datetime | None
     expires_at: dt.datetime
     now: dt.datetime
+    #: Why the stored response cannot be read (then ``response`` is None although the record
+    #: completed): its key is not configured, or it fails authentication. Never replayed.
+    unreadable: str | None = None
 
     @property
     def lease_expired(self) -> bool:
@@ -94,6 +97,17 @@ class ClaimResult:
         if not self.claimed or self.record.claim_token is None:
             raise ValueError("only a successful claim carries a token")
         return self.record.claim_token
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyUsage:
+    """How many live stored responses one encryption key protects."""
+
+    #: The key id, or None for responses stored unencrypted (plain or only compressed).
+    key_id: str | None
+    rows: int
+    #: When the last of them expires: the key can be retired after that.
+    last_expires_at: dt.datetime | None
 
 
 @dataclasses.dataclass(frozen=True)

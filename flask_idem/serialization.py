@@ -55,7 +55,7 @@ class RequestSchema(Schema):
     #: The stored status, None until the operation completed.
     status = _field(lambda record: None if record.response is None else record.response.status)
     #: Whether a retry with the same request gets the stored response back.
-    replays = _field(lambda record: record.state is State.COMPLETED)
+    replays = _field(lambda record: record.state is State.COMPLETED and record.unreadable is None)
     #: After this moment the key is forgotten and the same key is a new operation.
     expires_at = fields.DateTime()
     headers = _field(
@@ -76,6 +76,8 @@ class RecordSchema(RequestSchema):
     fingerprint = _field(lambda record: record.fingerprint.hex())
     lease_expires_at = fields.DateTime()
     lease_expired = _field(lambda record: record.lease_expired)
+    #: Why the stored response cannot be read (its encryption key is missing, ...), or None.
+    unreadable = fields.String(allow_none=True)
     #: Seconds since the first request claimed the key (database clock).
     age_seconds = _field(lambda record: round((record.now - record.created_at).total_seconds(), 3))
 
@@ -96,6 +98,7 @@ class RecordSchema(RequestSchema):
             "expires_at",
             "status",
             "replays",
+            "unreadable",
             *BODY_FIELDS,
         )
 

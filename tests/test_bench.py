@@ -238,3 +238,31 @@ def test_command_line() -> None:
     assert parse(["--quick"]).quick is True
     assert parse(["growth", "--sizes", "1,5"]).sizes == (1.0, 5.0)
     assert parse(["report", "x.json", "--markdown"]).markdown is True
+
+
+def test_sealing_bench_measures_every_variant(tmp_path: Path, pg_url: str) -> None:
+    from bench import sealing
+    from flask_idem.store import create_store
+
+    options = sealing.SealingOptions(codec_iterations=2, store_operations=3, rows=5)
+    body = sealing.payment_body(4096)
+    assert len(body) >= 4096 and json.loads(body)["object"] == "payment"
+    document: dict[str, t.Any] = {**sealing.measure_codec(options), "store": [], "size": []}
+    sqlite_url = f"sqlite:///{tmp_path / 'sealing.sqlite3'}"
+    upgrade(sqlite_url)
+    for url in (sqlite_url, pg_url):
+        store = create_store(url)
+        try:
+            document["store"] += sealing.measure_store(store, options)
+            document["size"] += sealing.measure_size(store, options)
+        finally:
+            store.engine.dispose()
+    assert {row["variant"] for row in document["codec"]} == set(sealing.VARIANTS)
+    assert {(row["dialect"], row["variant"]) for row in document["size"]} == {
+        (dialect, variant) for dialect in ("postgresql", "sqlite") for variant in sealing.VARIANTS
+    }
+    big = {r["variant"]: r["stored_bytes"] for r in document["codec"] if r["body"] == 65536}
+    assert big["zlib"] < big["off"] // 3 and big["zlib+aes"] < big["off"] // 3
+    text = sealing.format_text(document)
+    assert "zlib+aes" in text and "Bytes per row" in text
+    assert parse(["sealing", "--quick"]).command == "sealing"

@@ -14,7 +14,9 @@ import typing as t
 
 import sqlalchemy as sa
 
-from ..record import ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
+from ..errors import ConfigurationError
+from ..record import ClaimResult, KeyUsage, MaintenanceReport, Record, Scope, StoredResponse
+from ..sealing import Sealer
 
 
 class Store(abc.ABC):
@@ -25,6 +27,24 @@ class Store(abc.ABC):
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
+        #: Compresses and encrypts snapshots on the way in, opens them on the way out.
+        self.sealer = Sealer()
+        self._sealer_configured = False
+
+    def use_sealer(self, sealer: Sealer) -> None:
+        """Seal snapshots as an application's settings say (``init_app`` calls this).
+
+        :raises ConfigurationError: the store already serves an application that seals
+            differently (two apps sharing one store must agree on keys and compression).
+        """
+        if self._sealer_configured and sealer != self.sealer:
+            raise ConfigurationError(
+                "this store already serves an application with other IDEMPOTENCY_ENCRYPTION_KEYS,"
+                " IDEMPOTENCY_COMPRESS_MIN or IDEMPOTENCY_REQUIRE_ENCRYPTED; give each "
+                "application its own store"
+            )
+        self.sealer = sealer
+        self._sealer_configured = True
 
     @abc.abstractmethod
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
@@ -100,7 +120,14 @@ class Store(abc.ABC):
         reconcilers)."""
 
     @abc.abstractmethod
-    def resolve(self, scope: Scope, response: StoredResponse | None, *, token: str | None) -> bool:
+    def resolve(
+        self,
+        scope: Scope,
+        response: StoredResponse | None,
+        *,
+        token: str | None,
+        created_at: dt.datetime | None = None,
+    ) -> bool:
         """Settle a stuck record from outside the request that claimed it.
 
         With a response the record completes (later retries replay it); with None the key is
@@ -108,6 +135,9 @@ class Store(abc.ABC):
         be settled, never one whose owner is still alive, and only while the record still
         carries ``token``, the claim token of the record the caller looked at: a retry that
         took the operation over meanwhile is never settled by a stale verdict.
+
+        :param created_at: the stuck record's ``created_at``, when known: only that record is
+            settled (and an encrypted snapshot is bound to it).
         """
 
     @abc.abstractmethod
@@ -122,6 +152,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def evict(self, scope: Scope) -> bool:
         """Administrative removal of the live record, whatever its state."""
+
+    def key_usage(self) -> list[KeyUsage]:
+        """Live stored responses per encryption key id (None: stored unencrypted), for
+        ``flask idem keys``."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def begin(self) -> sa.Connection:

@@ -126,7 +126,7 @@ class PostgresStore(SQLStore):
         }
         with translate_errors(), self.connect() as conn:
             row = conn.exec_driver_sql(_CLAIM, parameters).one()
-        return ClaimResult(record_from_row(scope, row), claimed=bool(row.claimed))
+        return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         # One transaction per step: a step's locks must not be held while the next one waits

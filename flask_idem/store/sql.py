@@ -15,9 +15,11 @@ import secrets
 import typing as t
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
-from ..errors import StoreUnavailable
-from ..record import ClaimResult, Record, Scope, State, StoredResponse
+from ..errors import StoreUnavailable, UnreadableResponse
+from ..record import ClaimResult, KeyUsage, Record, Scope, State, StoredResponse
+from ..sealing import KEY_ID_OFFSET, KEY_ID_SIZE, MAGIC, Sealer, key_id_of
 from ..table import idempotency_keys as table
 from .base import Store
 
@@ -34,6 +36,14 @@ RECORD_COLUMNS: tuple[str, ...] = (
     "completed_at",
     "expires_at",
 )
+
+#: ``response_headers`` as written: None is SQL NULL (the mark of a sealed envelope), never
+#: the JSON ``null`` SQLAlchemy writes by default, so that SQL can tell the layouts apart.
+_HEADERS = sa.JSON(none_as_null=True).with_variant(
+    postgresql.JSONB(none_as_null=True), "postgresql"
+)
+#: Reads every layout (plain, compressed, encrypted with a configured key).
+_READER = Sealer()
 
 
 @contextlib.contextmanager
@@ -52,26 +62,38 @@ def _aware(value: dt.datetime | None) -> dt.datetime | None:
     return value
 
 
-def record_from_row(scope: Scope | None, row: t.Any, now: dt.datetime | None = None) -> Record:
+def record_from_row(
+    scope: Scope | None, row: t.Any, sealer: Sealer = _READER, now: dt.datetime | None = None
+) -> Record:
     """Build a :class:`Record` from a row carrying ``RECORD_COLUMNS`` and ``db_now`` (and the
     scope columns when ``scope`` is None).
+
+    A stored response that ``sealer`` cannot open (key not configured, authentication failed)
+    leaves ``response`` None and says why in ``unreadable``: reading the record still works
+    (for 422, the CLI and the inspection view); only a replay is refused.
 
     :param now: the database clock, when the row could not carry ``db_now``.
     """
     m = row._mapping
     if scope is None:
         scope = Scope(m["tenant"], m["endpoint"], m["key"])
-    response = None
-    if m["response_status"] is not None and m["response_body"] is not None:
-        response = StoredResponse(
-            status=m["response_status"],
-            headers=tuple((str(k), str(v)) for k, v in (m["response_headers"] or ())),
-            body=bytes(m["response_body"]),
-        )
     created_at = _aware(m["created_at"])
     expires_at = _aware(m["expires_at"])
     now = _aware(m["db_now"]) if now is None else now
     assert created_at is not None and expires_at is not None and now is not None
+    response = None
+    unreadable = None
+    if m["response_status"] is not None and m["response_body"] is not None:
+        try:
+            response = sealer.open(
+                scope,
+                created_at,
+                m["response_status"],
+                m["response_headers"],
+                bytes(m["response_body"]),
+            )
+        except UnreadableResponse as exc:
+            unreadable = exc.reason
     return Record(
         scope=scope,
         fingerprint=bytes(m["fingerprint"]),
@@ -83,6 +105,7 @@ def record_from_row(scope: Scope | None, row: t.Any, now: dt.datetime | None = N
         completed_at=_aware(m["completed_at"]),
         expires_at=expires_at,
         now=now,
+        unreadable=unreadable,
     )
 
 
@@ -156,7 +179,7 @@ class SQLStore(Store):
             .values(
                 state=sa.bindparam("p_state"),
                 response_status=sa.bindparam("p_status"),
-                response_headers=sa.bindparam("p_headers", type_=table.c.response_headers.type),
+                response_headers=sa.bindparam("p_headers", type_=_HEADERS),
                 response_body=sa.bindparam("p_body", type_=table.c.response_body.type),
                 completed_at=self.now(),
                 lease_expires_at=None,
@@ -197,20 +220,34 @@ class SQLStore(Store):
         connection: sa.Connection | None = None,
         created_at: dt.datetime | None = None,
     ) -> bool:
+        if response is not None and self.sealer.encrypting and created_at is None:
+            # The ciphertext is bound to the record's created_at: read it (the write below
+            # then matches only that record).
+            created_at = self._owned_created_at(scope, token, connection)
+            if created_at is None:
+                return False
         parameters = self._owner(scope, token, created_at)
         if response is None:
             parameters.update(
                 p_state=State.UNSTORED.value, p_status=None, p_headers=None, p_body=None
             )
         else:
+            headers, body = self.sealer.seal(response, scope, created_at)
             parameters.update(
                 p_state=State.COMPLETED.value,
                 p_status=response.status,
-                p_headers=[list(pair) for pair in response.headers],
-                p_body=response.body,
+                p_headers=headers,
+                p_body=body,
             )
         outcome = self._execute(self._complete_statement, parameters, connection)
         return outcome.rowcount == 1
+
+    def _owned_created_at(
+        self, scope: Scope, token: str, connection: sa.Connection | None
+    ) -> dt.datetime | None:
+        statement = sa.select(table.c.created_at).where(self._owned())
+        row = self._execute(statement, self._owner(scope, token, None), connection).first
+        return None if row is None else _aware(row[0])
 
     def release(self, scope: Scope, token: str, *, created_at: dt.datetime | None = None) -> bool:
         parameters = self._owner(scope, token, created_at)
@@ -263,7 +300,7 @@ class SQLStore(Store):
         if row is None:
             return None
         now = lease_start(_aware(row.lease_expires_at), lease)
-        return ClaimResult(record_from_row(scope, row, now), claimed=True)
+        return ClaimResult(record_from_row(scope, row, self.sealer, now), claimed=True)
 
     def get(self, scope: Scope) -> Record | None:
         statement = (
@@ -273,7 +310,7 @@ class SQLStore(Store):
             .limit(1)
         )
         row = self._execute(statement).first
-        return None if row is None else record_from_row(scope, row)
+        return None if row is None else record_from_row(scope, row, self.sealer)
 
     def _alive(self) -> sa.ColumnElement[bool]:
         """A record counts for its TTL from its claim and for its TTL from the end of its
@@ -313,7 +350,7 @@ class SQLStore(Store):
         )
         if endpoint is not None:
             statement = statement.where(table.c.endpoint == endpoint)
-        return [record_from_row(None, row) for row in self._execute(statement).rows]
+        return [record_from_row(None, row, self.sealer) for row in self._execute(statement).rows]
 
     def stuck(self, *, limit: int = 1000) -> list[Record]:
         statement = (
@@ -322,25 +359,40 @@ class SQLStore(Store):
             .order_by(table.c.created_at)
             .limit(limit)
         )
-        return [record_from_row(None, row) for row in self._execute(statement).rows]
+        return [record_from_row(None, row, self.sealer) for row in self._execute(statement).rows]
 
-    def resolve(self, scope: Scope, response: StoredResponse | None, *, token: str | None) -> bool:
+    def resolve(
+        self,
+        scope: Scope,
+        response: StoredResponse | None,
+        *,
+        token: str | None,
+        created_at: dt.datetime | None = None,
+    ) -> bool:
         # Fenced by the token the caller saw: a retry that took the record over meanwhile
         # (and maybe got stuck again) has another token, and its operation is not settled.
         settle = sa.and_(
             self._live(scope), self._stuck(), table.c.claim_token == sa.bindparam("p_token")
         )
         fence = {"p_token": token}
+        if response is not None and self.sealer.encrypting and created_at is None:
+            row = self._execute(sa.select(table.c.created_at).where(settle), fence).first
+            if row is None:
+                return False
+            created_at = _aware(row[0])
+        if created_at is not None:
+            settle = sa.and_(settle, table.c.created_at == created_at)
         if response is None:
             return self._execute(table.delete().where(settle), fence).rowcount == 1
+        headers, body = self.sealer.seal(response, scope, created_at)
         statement = (
             table.update()
             .where(settle)
             .values(
                 state=State.COMPLETED.value,
                 response_status=response.status,
-                response_headers=[list(pair) for pair in response.headers],
-                response_body=response.body,
+                response_headers=sa.null() if headers is None else headers,
+                response_body=body,
                 completed_at=self.now(),
                 lease_expires_at=None,
             )
@@ -359,6 +411,43 @@ class SQLStore(Store):
             .values(state=State.REOPENED.value, lease_expires_at=self.now())
         )
         return self._execute(statement, {"p_token": token}).rowcount == 1
+
+    def key_usage(self) -> list[KeyUsage]:
+        body = table.c.response_body
+        # The key id field of an envelope, NULL for plain rows; counted without reading bodies.
+        key_field = sa.case(
+            (
+                sa.and_(
+                    table.c.response_headers.is_(None),
+                    sa.func.substr(body, 1, len(MAGIC), type_=sa.LargeBinary)
+                    == sa.literal(MAGIC, sa.LargeBinary),
+                ),
+                sa.func.substr(body, KEY_ID_OFFSET, KEY_ID_SIZE, type_=sa.LargeBinary),
+            ),
+            else_=sa.null(),
+        )
+        rows = (
+            sa.select(key_field.label("key_field"), table.c.expires_at)
+            .where(body.is_not(None), self._alive())
+            .subquery()
+        )
+        statement = sa.select(
+            rows.c.key_field, sa.func.count(), sa.func.max(rows.c.expires_at)
+        ).group_by(rows.c.key_field)
+        usage: dict[str | None, KeyUsage] = {}
+        for row in self._execute(statement).rows:
+            key_field_value, count, last = t.cast("tuple[t.Any, int, t.Any]", tuple(row))
+            last = _aware(last)
+            key_id = None if key_field_value is None else key_id_of(bytes(key_field_value))
+            previous = usage.get(key_id)
+            if previous is not None:  # plain rows and compressed-only envelopes
+                count += previous.rows
+                if previous.last_expires_at is not None and (
+                    last is None or previous.last_expires_at > last
+                ):
+                    last = previous.last_expires_at
+            usage[key_id] = KeyUsage(key_id, count, last)
+        return sorted(usage.values(), key=lambda u: (u.key_id is None, u.key_id or ""))
 
     def evict(self, scope: Scope) -> bool:
         return self._execute(table.delete().where(self._live(scope))).rowcount >= 1

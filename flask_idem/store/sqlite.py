@@ -94,9 +94,9 @@ class SQLiteStore(SQLStore):
         with translate_errors(), self.connect() as conn:
             row = conn.execute(live).first()
             if row is not None:
-                return ClaimResult(record_from_row(scope, row), claimed=False)
+                return ClaimResult(record_from_row(scope, row, self.sealer), claimed=False)
             row = conn.execute(insert.returning(*self._returning())).one()
-        return ClaimResult(record_from_row(scope, row), claimed=True)
+        return ClaimResult(record_from_row(scope, row, self.sealer), claimed=True)
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         expired = sa.not_(self._alive())
