@@ -53,7 +53,7 @@ def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None
             )
             assert compare_metadata(context, metadata) == []
             assert conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).all() == [
-                ("0001",)
+                ("0003",)
             ]
         if engine.dialect.name == "postgresql":
             assert _functions(engine) == FUNCTIONS
