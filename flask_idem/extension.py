@@ -34,6 +34,7 @@ from werkzeug.exceptions import InternalServerError
 from werkzeug.wrappers import Response
 
 from . import signals
+from .body import read_body
 from .config import Settings
 from .errors import ConfigurationError, StoreUnavailable
 from .fingerprint import fingerprint as canonical_fingerprint
@@ -563,7 +564,7 @@ def _fingerprint(options: ViewOptions) -> bytes:
         request.url_rule.rule,
         request.view_args or {},
         request.args.items(multi=True),
-        request.get_data(cache=True),
+        read_body(request, _app_state().settings.max_request_body),
         request.content_type,
         exclude=options.exclude,
         include=options.include,
