@@ -49,7 +49,7 @@ def read_body(request: Request, limit: int) -> bytes:
         # would otherwise block until the client gives up).
         body = b""
     else:
-        body = _read(source, limit if declared is None else declared, limit)
+        body = _read(source, limit + 1 if declared is None else declared, limit)
     _check(body, declared, limit)
     # Hand the exact bytes to werkzeug, so that get_data(), get_json() and form parsing in the
     # view see this body and nothing after it.
