@@ -67,7 +67,14 @@ class SampleServer:
     """A gunicorn master serving the sample app, plus the SQL and log views of it."""
 
     def __init__(
-        self, url: str, workdir: Path, *, workers: int = 2, threads: int = 1, **env: str
+        self,
+        url: str,
+        workdir: Path,
+        *,
+        workers: int = 2,
+        threads: int = 1,
+        args: t.Sequence[str] = (),
+        **env: str,
     ) -> None:
         self.url = url
         self.port = free_port()
@@ -84,6 +91,7 @@ class SampleServer:
             "--graceful-timeout",
             "2",
             "--no-control-socket",
+            *args,
             "sample_app:create_app()",
         ]
         if threads > 1:

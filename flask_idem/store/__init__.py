@@ -50,6 +50,7 @@ def create_engine(
     url: str | sa.URL,
     *,
     statement_timeout: float | None = guards.STATEMENT_TIMEOUT,
+    connect_timeout: int = guards.CONNECT_TIMEOUT,
     **options: t.Any,
 ) -> sa.Engine:
     """An engine with the pool and connection settings the store relies on.
@@ -61,6 +62,7 @@ def create_engine(
     :param statement_timeout: seconds a statement may run or wait for a lock (PostgreSQL
         ``statement_timeout`` and ``lock_timeout``, a client-side deadline one second later
         for a silent server; the SQLite busy timeout); None for no bound (migrations).
+    :param connect_timeout: seconds to open a PostgreSQL connection.
     :param options: more :func:`sqlalchemy.create_engine` arguments (e.g. ``pool_pre_ping``).
     """
     if statement_timeout is not None and not 0 < statement_timeout < 86400:
@@ -73,7 +75,7 @@ def create_engine(
         engine = sa.create_engine(parsed, connect_args=sqlite_args, hide_parameters=True, **options)
         guards.make_fork_safe(engine)
         return engine
-    connect_args: dict[str, t.Any] = dict(PG_CONNECT_ARGS)
+    connect_args: dict[str, t.Any] = {**PG_CONNECT_ARGS, "connect_timeout": connect_timeout}
     if statement_timeout is not None:
         milliseconds = int(statement_timeout * 1000)
         connect_args["options"] = (

@@ -47,8 +47,9 @@ import sqlalchemy as sa
 log = logging.getLogger("flask_idem")
 
 #: Seconds a store statement may run (server ``statement_timeout`` and ``lock_timeout``).
-STATEMENT_TIMEOUT = 5.0
-#: Seconds past the statement timeout after which a silent server is given up on.
+STATEMENT_TIMEOUT = 4.0
+#: Seconds past the statement timeout after which a silent server is given up on: a store
+#: operation answers within 5 s, even when the server never answers at all.
 DEADLINE_GRACE = 1.0
 #: Seconds to open a connection (libpq ``connect_timeout``; enforced by :func:`wait`).
 CONNECT_TIMEOUT = 5
