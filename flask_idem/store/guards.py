@@ -114,7 +114,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # -- deadlines (PostgreSQL) -----------------------------------------------------------------
 
 
-class DeadlineConnection(psycopg2.extensions.connection):
+class DeadlineConnection(psycopg2.extensions.connection):  # type: ignore[misc]
     """A psycopg2 connection whose waits for the server have a deadline (see :func:`wait`)."""
 
     #: Seconds any one operation after connecting may wait; None: no deadline.
