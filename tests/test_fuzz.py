@@ -230,3 +230,25 @@ def test_the_sample_app_never_answers_5xx_nor_claims_refused_input(
         return
     _check(sample_app, response, before)
     assert read.status_code < 500, read.data[:300]
+
+
+def test_the_reported_inputs_of_the_attack(sample_app: flask.Flask) -> None:
+    """Issue 11, item 5: a NUL in a path id and JSON nested 1,000 deep are 4xx, not 500."""
+    client = sample_app.test_client()
+    auth = {"Authorization": "Bearer sk_test_alpha"}
+    assert client.get("/v1/payments/%00", headers=auth).status_code == 404
+    refund = client.post(
+        "/v1/payments/%00/refunds", json={"amount": 1}, headers={**auth, "Idempotency-Key": "nul"}
+    )
+    assert refund.status_code == 404
+    deep = client.post(
+        "/v1/payments",
+        data=nested(1000),
+        content_type="application/json",
+        headers={**auth, "Idempotency-Key": "deep"},
+    )
+    assert deep.status_code == 400, deep.data
+    inspect = client.get(
+        "/idempotency/requests?endpoint=%00", headers={**auth, "Idempotency-Key": "deep"}
+    )
+    assert inspect.status_code == 400, inspect.data
