@@ -1,9 +1,15 @@
 """The inspection endpoint: "did my request go through?", answered from the idempotency record.
 
-``GET <prefix>/requests/<key>[?endpoint=POST /v1/payments]``, or ``GET <prefix>/requests``
-with the key in the ``Idempotency-Key`` header (keys in URLs end up in access logs; the header
-form avoids that). ``init_app`` registers it under ``IDEMPOTENCY_BLUEPRINT_PREFIX``
-(``/idempotency``; None switches it off).
+``GET <prefix>/requests[?endpoint=POST /v1/payments]`` with the key in the
+``Idempotency-Key`` header, or ``POST <prefix>/requests`` with the JSON body
+``{"key": "...", "endpoint": "..."}`` (``endpoint`` optional). Never in the URL: URLs end up
+in access logs, proxies and browser histories. ``init_app`` registers it under
+``IDEMPOTENCY_BLUEPRINT_PREFIX`` (``/idempotency``; None switches it off).
+
+Parameters are validated before any lookup: a key as for protected requests, an endpoint of at
+most :data:`MAX_ENDPOINT` printable characters (no NUL or other control characters), and a
+POST body of at most :data:`MAX_QUERY_BODY` bytes holding a JSON object; anything else is a
+400 ``parameter-invalid`` (or 413 for a larger body), never a database error.
 
 The answer, ``{"requests": [...]}``, lists the key's live records of the caller's tenant, one
 per endpoint it was used on: state, first seen, completed at, stored status, whether retries
@@ -22,12 +28,14 @@ Isolation
 
 from __future__ import annotations
 
+import json
 import typing as t
 
 from flask import Blueprint, current_app, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException
 
+from .body import read_body
 from .errors import StoreUnavailable
 from .keys import InvalidKey, normalize, read_key
 from .problem import (
@@ -35,6 +43,7 @@ from .problem import (
     KeyInvalid,
     KeyMissing,
     KeyUnknown,
+    ParameterInvalid,
     StoreUnavailableProblem,
 )
 from .serialization import request_schema
@@ -45,22 +54,28 @@ if t.TYPE_CHECKING:
 
 #: The answer may change at any moment and names a tenant's operations: never cache it.
 _NO_STORE = ("Cache-Control", "no-store")
+#: The longest endpoint filter accepted (records store at most 255 characters).
+MAX_ENDPOINT = 512
+#: The largest POST body accepted: a key and an endpoint.
+MAX_QUERY_BODY = 4096
 
 
 def create_blueprint(extension: Idempotency) -> Blueprint:
     """The inspection blueprint of one application (exempt from idempotency protection)."""
     blueprint = Blueprint("flask_idem", __name__)
 
-    @blueprint.get("/requests", defaults={"key": None})
-    @blueprint.get("/requests/<path:key>")
+    @blueprint.route("/requests", methods=["GET", "POST"])
     @extension.exempt
-    def request_status(key: str | None) -> ResponseReturnValue:
+    def request_status() -> ResponseReturnValue:
         tenant = extension.current_tenant()
         if tenant is None:
             raise AuthenticationRequired("Authenticate to look up your idempotency keys.")
         state = AppState.current()
-        scope_key = _key(key, state.settings.headers)
-        endpoint = request.args.get("endpoint")
+        if request.method == "POST":
+            scope_key, endpoint = _from_body(state.settings.headers)
+        else:
+            scope_key = _key(None, state.settings.headers)
+            endpoint = _endpoint(request.args.get("endpoint"))
         try:
             records = state.store.find(
                 tenant, scope_key, None if endpoint is None else _record_endpoint(endpoint)
@@ -82,15 +97,51 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
     return blueprint
 
 
-def _key(path_key: str | None, headers: t.Sequence[str]) -> str:
-    """The key from the URL, else from the idempotency header."""
+def _key(given: t.Any, headers: t.Sequence[str]) -> str:
+    """The key from the POST body, else from the idempotency header."""
+    if given is not None and not isinstance(given, str):
+        raise ParameterInvalid("'key' must be a string.")
     try:
-        key = normalize(path_key) if path_key is not None else read_key(request.headers, headers)
+        key = normalize(given) if given is not None else read_key(request.headers, headers)
     except InvalidKey as exc:
         raise KeyInvalid(str(exc)) from None
     if key is None:
-        raise KeyMissing(f"Give the key in the URL or in the {headers[0]} header.")
+        raise KeyMissing(
+            f"Give the key in the {headers[0]} header, or as 'key' in a POST body; never in "
+            "the URL."
+        )
     return key
+
+
+def _from_body(headers: t.Sequence[str]) -> tuple[str, str | None]:
+    raw = read_body(request, MAX_QUERY_BODY)
+    try:
+        document = json.loads(raw) if raw else {}
+    except (ValueError, RecursionError):
+        raise ParameterInvalid("The body must be a JSON object.") from None
+    if not isinstance(document, dict) or set(document) - {"key", "endpoint"}:
+        raise ParameterInvalid("The body must be a JSON object with 'key' and 'endpoint'.")
+    return _key(document.get("key"), headers), _endpoint(document.get("endpoint"))
+
+
+def _endpoint(spelled: t.Any) -> str | None:
+    """A validated endpoint filter: printable text (no NUL), a method and a path."""
+    if spelled is None:
+        return None
+    if (
+        not isinstance(spelled, str)
+        or not 0 < len(spelled) <= MAX_ENDPOINT
+        or not spelled.isprintable()
+        or not spelled.isascii()
+    ):
+        raise ParameterInvalid(
+            f"'endpoint' must be 1 to {MAX_ENDPOINT} printable ASCII characters, e.g. "
+            "'POST /v1/payments'."
+        )
+    method, _, path = spelled.strip().partition(" ")
+    if not method.isalpha() or not path.startswith("/"):
+        raise ParameterInvalid("'endpoint' must be a method and a path, e.g. 'POST /v1/payments'.")
+    return spelled
 
 
 def _record_endpoint(spelled: str) -> str:

@@ -27,7 +27,9 @@ import asyncio
 import dataclasses
 import datetime as dt
 import email.utils
+import math
 import random
+import re
 import time
 import typing as t
 
@@ -37,6 +39,7 @@ from .keys import KeyFormat, new_key
 
 RETRY_STATUSES = frozenset({408, 425, 429, 502, 503, 504})
 IN_PROGRESS = "request-in-progress"
+_DELAY_SECONDS = re.compile(r"[0-9]+", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +70,17 @@ def parse_retry_after(value: str | None, now: dt.datetime | None = None) -> floa
     """Seconds to wait from a ``Retry-After`` value (delay-seconds or HTTP-date), or None."""
     if value is None:
         return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
+    value = value.strip(" \t")
+    # ASCII digits only: str.isdigit() also accepts superscripts and other scripts' digits,
+    # which float() then refuses. A delay too large for a float is no usable hint either.
+    if _DELAY_SECONDS.fullmatch(value):
+        delay = float(value)
+        return delay if math.isfinite(delay) else None
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError, IndexError):
+        return None
+    if when is None:
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.timezone.utc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing as t
 import urllib.parse
@@ -24,6 +25,7 @@ DEFAULTS: dict[str, t.Any] = {
     "IDEMPOTENCY_KEY_REQUIRED": True,
     "IDEMPOTENCY_PROTECT_ALL": False,
     "IDEMPOTENCY_MAX_BODY": 256 * 1024,
+    "IDEMPOTENCY_MAX_REQUEST_BODY": 1024 * 1024,
     "IDEMPOTENCY_STORED_HEADERS": ("Content-Type", "Location", "Content-Language", "ETag", "Link"),
     "IDEMPOTENCY_NEVER_STORE": (401, 403, 408, 425, 429, 502, 503, 504),
     "IDEMPOTENCY_PROBLEM_BASE": "https://flask-idem.dev/problems/",
@@ -40,6 +42,18 @@ DEFAULTS: dict[str, t.Any] = {
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an HTTP field name (RFC 9110 token)
 _METHODS = {"POST", "PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS"}
 
+#: Upper bounds of the numeric settings: every value must be finite, fit the database's
+#: interval arithmetic, and keep a worker's work per request bounded.
+MAXIMA: dict[str, float] = {
+    "IDEMPOTENCY_TTL": 10 * 366 * 86400,  # ten years
+    "IDEMPOTENCY_LEASE": 86400,
+    "IDEMPOTENCY_WAIT": 60,  # a waiting duplicate holds a worker: stay below server timeouts
+    "IDEMPOTENCY_MAX_BODY": 64 * 1024 * 1024,
+    "IDEMPOTENCY_MAX_REQUEST_BODY": 1024 * 1024 * 1024,
+    "IDEMPOTENCY_PARTITIONS_AHEAD": 366,
+    "IDEMPOTENCY_COMPRESS_MIN": 64 * 1024 * 1024,  # no snapshot is larger (MAX_BODY's maximum)
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -55,6 +69,8 @@ class Settings:
     key_required: bool
     protect_all: bool
     max_body: int
+    #: Largest request body of a protected request, in bytes (413 beyond).
+    max_request_body: int
     stored_headers: frozenset[str]
     never_store: frozenset[int]
     problem_base: str
@@ -82,14 +98,24 @@ class Settings:
 
         def number(name: str, *, minimum: float, integer: bool = False) -> t.Any:
             raw = value[name]
+            maximum = MAXIMA[name]
+            if isinstance(raw, bool):
+                raise ConfigurationError(f"{name} must be a number, got {raw!r}")
             try:
                 parsed = int(raw) if integer else float(raw)
-            except (TypeError, ValueError):
+                exact = float(raw)
+            except (TypeError, ValueError, OverflowError):
                 raise ConfigurationError(f"{name} must be a number, got {raw!r}") from None
-            if integer and isinstance(raw, float | str) and float(raw) != parsed:
+            # nan passes every comparison below, and inf or 1e300 overflow the database's
+            # interval arithmetic: refuse them here, not as a 503 on every request.
+            if not math.isfinite(exact):
+                raise ConfigurationError(f"{name} must be a finite number, got {raw!r}")
+            if integer and exact != parsed:
                 raise ConfigurationError(f"{name} must be a whole number, got {raw!r}")
             if parsed < minimum:
                 raise ConfigurationError(f"{name} must be at least {minimum}, got {raw!r}")
+            if parsed > maximum:
+                raise ConfigurationError(f"{name} must be at most {maximum:.0f}, got {raw!r}")
             return parsed
 
         def names(name: str) -> tuple[str, ...]:
@@ -173,6 +199,7 @@ class Settings:
             key_required=flag("IDEMPOTENCY_KEY_REQUIRED"),
             protect_all=flag("IDEMPOTENCY_PROTECT_ALL"),
             max_body=number("IDEMPOTENCY_MAX_BODY", minimum=0, integer=True),
+            max_request_body=number("IDEMPOTENCY_MAX_REQUEST_BODY", minimum=0, integer=True),
             stored_headers=frozenset(h.lower() for h in names("IDEMPOTENCY_STORED_HEADERS")),
             never_store=never_store,
             problem_base=base if base.endswith(("/", ":")) else base + "/",

@@ -66,6 +66,7 @@ from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
 
 from . import signals
+from .body import read_body
 from .config import Settings
 from .errors import StoreUnavailable
 from .fingerprint import fingerprint as canonical_fingerprint
@@ -192,7 +193,10 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     assert request.url_rule is not None
     scope = Scope(_tenant(app_state), f"{request.method} {request.url_rule.rule}", key)
     state = _start(RequestState(scope, options))
-    digest = _fingerprint(options)
+    # The whole body, as declared, within IDEMPOTENCY_MAX_REQUEST_BODY: a truncated upload is
+    # a 400 and an oversized one a 413, before any claim (never a fingerprint of half a body).
+    body = read_body(request, settings.max_request_body)
+    digest = _fingerprint(options, body)
     ttl = options.ttl or settings.ttl
     deadline = time.monotonic() + settings.wait
     while True:
@@ -299,7 +303,7 @@ def _tenant(app_state: AppState) -> str:
     return tenant
 
 
-def _fingerprint(options: ViewOptions) -> bytes:
+def _fingerprint(options: ViewOptions, body: bytes) -> bytes:
     if options.fingerprint is not None:
         value = options.fingerprint(request)
         data = value.encode() if isinstance(value, str) else bytes(value)
@@ -310,7 +314,7 @@ def _fingerprint(options: ViewOptions) -> bytes:
         request.url_rule.rule,
         request.view_args or {},
         request.args.items(multi=True),
-        request.get_data(cache=True),
+        body,
         request.content_type,
         exclude=options.exclude,
         include=options.include,

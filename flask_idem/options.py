@@ -7,6 +7,7 @@ import typing as t
 
 from flask.typing import ResponseReturnValue
 
+from .config import MAXIMA
 from .errors import ConfigurationError
 from .record import StoredResponse
 
@@ -41,8 +42,10 @@ class ViewOptions:
     def __post_init__(self) -> None:
         if self.recovery not in ("fail", "reexecute"):
             raise ConfigurationError("recovery must be 'fail' or 'reexecute'")
-        if self.ttl is not None and not 0 < self.ttl < float("inf"):
-            raise ConfigurationError("ttl must be a positive number of seconds")
+        if self.ttl is not None and not 0 < self.ttl <= MAXIMA["IDEMPOTENCY_TTL"]:
+            raise ConfigurationError(
+                f"ttl must be a positive number of seconds, at most {MAXIMA['IDEMPOTENCY_TTL']:.0f}"
+            )
         if self.fingerprint is not None and (self.exclude or self.include is not None):
             raise ConfigurationError("give either fingerprint= or exclude=/include=, not both")
         if self.replay is not None and not callable(self.replay):

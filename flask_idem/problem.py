@@ -178,3 +178,21 @@ class KeyUnknown(Problem):
     problem = "idempotency-key-unknown"
     code = 404
     title = "Idempotency key unknown"
+
+
+class RequestBodyTooLarge(Problem):
+    problem = "request-body-too-large"
+    code = 413
+    title = "Request body too large"
+
+
+class RequestBodyIncomplete(Problem):
+    problem = "request-body-incomplete"
+    code = 400
+    title = "Request body incomplete"
+
+
+class ParameterInvalid(Problem):
+    problem = "parameter-invalid"
+    code = 400
+    title = "Parameter invalid"

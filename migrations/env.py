@@ -52,7 +52,8 @@ def run_online() -> None:
     if connection is not None:
         run_migrations(connection)
         return
-    engine = create_engine(database_url())
+    # No statement timeout: index builds and DDL on a big table may outlast a claim's bound.
+    engine = create_engine(database_url(), statement_timeout=None)
     try:
         with engine.connect() as connection:
             run_migrations(connection)

@@ -48,7 +48,8 @@ def invalid_request(errors: t.Mapping[str, t.Any]) -> Problem:
 
 def payment_not_found(payment_id: str) -> Problem:
     return Problem(
-        f"No payment {payment_id!r} exists for this API key.",
+        # Shortened: the id comes from the URL and may be anything.
+        f"No payment {payment_id[:64]!r} exists for this API key.",
         problem="payment-not-found",
         status=404,
         title="Payment not found",

@@ -12,6 +12,7 @@ decorators are checked inside the view, after the claim.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import typing as t
@@ -28,6 +29,8 @@ from .auth import current_api_key_id
 from .models import dialect_insert, rate_limit_counters
 
 table = rate_limit_counters
+#: Seconds the counters are skipped after the database failed under them.
+BREAKER_SECONDS = 5.0
 
 
 class SQLStorage(Storage):
@@ -43,8 +46,24 @@ class SQLStorage(Storage):
         self, uri: str | None = None, wrap_exceptions: bool = False, *, url: str, **options: t.Any
     ) -> None:
         super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)
-        # Checked on checkout: an external service must survive a database restart.
-        self.engine = create_engine(url, pool_pre_ping=True)
+        # Checked on checkout: an external service must survive a database restart. Short
+        # timeouts and a breaker: the counters come before the claim, so a silent database
+        # must cost little here (the claim then answers 503 within its own bound).
+        self.engine = create_engine(
+            url, pool_pre_ping=True, statement_timeout=0.5, connect_timeout=1
+        )
+        self._skip_until = 0.0
+
+    @contextlib.contextmanager
+    def _guarded(self) -> t.Iterator[None]:
+        """After a failure, skip the database for a few seconds (requests go unlimited)."""
+        if time.monotonic() < self._skip_until:
+            raise sa.exc.DisconnectionError("rate-limit counters skipped after a failure")
+        try:
+            yield
+        except sa.exc.SQLAlchemyError:
+            self._skip_until = time.monotonic() + BREAKER_SECONDS
+            raise
 
     @property
     def base_exceptions(self) -> type[Exception] | tuple[type[Exception], ...]:
@@ -65,23 +84,23 @@ class SQLStorage(Storage):
                 "expires_at": sa.case((expired, now + expiry), else_=table.c.expires_at),
             },
         ).returning(table.c.count)
-        with self.engine.begin() as conn:
+        with self._guarded(), self.engine.begin() as conn:
             return int(conn.execute(upsert).scalar_one())
 
     def get(self, key: str) -> int:
         query = sa.select(table.c.count).where(table.c.key == key, table.c.expires_at > time.time())
-        with self.engine.connect() as conn:
+        with self._guarded(), self.engine.connect() as conn:
             return int(conn.execute(query).scalar() or 0)
 
     def get_expiry(self, key: str) -> float:
         query = sa.select(table.c.expires_at).where(table.c.key == key)
-        with self.engine.connect() as conn:
+        with self._guarded(), self.engine.connect() as conn:
             expires_at = conn.execute(query).scalar()
         return float(expires_at) if expires_at is not None else time.time()
 
     def check(self) -> bool:
         try:
-            with self.engine.connect() as conn:
+            with self._guarded(), self.engine.connect() as conn:
                 conn.execute(sa.select(1))
         except sa.exc.SQLAlchemyError:
             return False

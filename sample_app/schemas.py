@@ -76,6 +76,9 @@ def load_body(schema: Schema) -> dict[str, t.Any]:
         body = request.get_json()
     except BadRequest:
         raise problems.invalid_request({"_schema": ["The body is not valid JSON."]}) from None
+    except RecursionError:
+        # json.loads recurses once per nesting level: ~1,000 levels exhaust the stack.
+        raise problems.invalid_request({"_schema": ["The body is nested too deeply."]}) from None
     try:
         return t.cast(dict[str, t.Any], schema.load(body))
     except ValidationError as exc:

@@ -6,6 +6,7 @@ other: flask_idem stores them and replays them to retries.
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 import typing as t
@@ -23,6 +24,9 @@ from .schemas import PaymentSchema, RefundSchema, load_body
 
 #: The customer whose payment makes the handler fail before it calls the provider.
 CRASH_CUSTOMER = "cus_crash"
+#: What the payment ids this app hands out look like; anything else (a NUL, which PostgreSQL
+#: text cannot hold, or 4 KB of garbage) is a 404 without a query.
+PAYMENT_ID = re.compile(r"pay_[0-9a-f]{24}", re.ASCII)
 
 bp = Blueprint("payments", __name__, url_prefix="/v1")
 
@@ -114,6 +118,8 @@ def list_payments() -> Response:
 
 @bp.get("/payments/<payment_id>")
 def get_payment(payment_id: str) -> Response:
+    if not PAYMENT_ID.fullmatch(payment_id):
+        raise problems.payment_not_found(payment_id)
     row = (
         idem.connection()
         .execute(
@@ -132,6 +138,8 @@ def get_payment(payment_id: str) -> Response:
 @requires("payments:write")
 @idem.idempotent(recovery="reexecute", declares_effects=True)
 def create_refund(payment_id: str) -> Response:
+    if not PAYMENT_ID.fullmatch(payment_id):
+        raise problems.payment_not_found(payment_id)
     body = load_body(RefundSchema())
     conn = idem.connection()
     # The row lock serialises refunds of one payment, so two of them (with different keys)

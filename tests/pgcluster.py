@@ -83,6 +83,7 @@ class Cluster:
     port: int = 0
     #: Where the server's own files live when ``directory`` is out of its reach (see start).
     server_dir: Path | None = None
+    _options: str = ""
 
     @property
     def home(self) -> Path:
@@ -109,7 +110,7 @@ class Cluster:
         server_dir = saved.get("server_dir")
         return cls(directory, saved["port"], Path(server_dir) if server_dir else None)
 
-    def start(self, *, durable: bool = False) -> None:
+    def start(self, *, durable: bool = False, settings: t.Mapping[str, str] = {}) -> None:
         initdb, pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
         if initdb is None or pg_ctl is None:
             raise SystemExit(NO_SERVER)
@@ -151,24 +152,47 @@ class Cluster:
         if not durable:
             # Test data is thrown away: skip the disk flushes that only protect against crashes.
             options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
-        _run_as_server_user(
-            [
-                pg_ctl,
-                "-D",
-                str(self.datadir),
-                "-l",
-                str(self.home / "server.log"),
-                "-w",
-                "-t",
-                "60",
-                "-o",
-                " ".join(options),
-                "start",
-            ],
-            stdout=subprocess.DEVNULL,
-        )
+        options += [f"-c {name}={value}" for name, value in settings.items()]
+        self._options = " ".join(options)
+        self.start_server()
         server_dir = str(self.server_dir) if self.server_dir else None
         self._state_file.write_text(json.dumps({"port": self.port, "server_dir": server_dir}))
+
+    @property
+    def log_file(self) -> Path:
+        """The server's own log (``pg_ctl -l``)."""
+        return self.home / "server.log"
+
+    def start_server(self) -> None:
+        """Start the server of an initialised cluster (again, after :meth:`stop_server`)."""
+        pg_ctl = find_binary("pg_ctl")
+        assert pg_ctl is not None
+        _run_as_server_user(
+            [pg_ctl, "-D", str(self.datadir), "-l", str(self.log_file), "-w", "-t", "60"]
+            + ["-o", self._options, "start"],
+            stdout=subprocess.DEVNULL,
+        )
+
+    def stop_server(self, mode: str = "immediate") -> None:
+        """Stop the server and keep its files (``pg_ctl stop -m <mode>``)."""
+        pg_ctl = find_binary("pg_ctl")
+        assert pg_ctl is not None
+        _run_as_server_user(
+            [pg_ctl, "-D", str(self.datadir), "-m", mode, "-w", "stop"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def server_pids(self) -> list[int]:
+        """The postmaster, then every process it started (Linux ``/proc``)."""
+        postmaster = int((self.datadir / "postmaster.pid").read_text().split()[0])
+        children = []
+        for stat_file in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = stat_file.read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == postmaster:
+                    children.append(int(stat_file.parent.name))
+        return [postmaster, *children]
 
     def stop(self) -> None:
         pg_ctl = find_binary("pg_ctl")

@@ -73,7 +73,7 @@ class SampleServer:
         *,
         workers: int = 2,
         threads: int = 1,
-        options: t.Sequence[str] = (),
+        args: t.Sequence[str] = (),
         **env: str,
     ) -> None:
         self.url = url
@@ -91,7 +91,7 @@ class SampleServer:
             "--graceful-timeout",
             "2",
             "--no-control-socket",
-            *options,
+            *args,
             "sample_app:create_app()",
         ]
         if threads > 1:

@@ -1,4 +1,5 @@
-"""``GET /idempotency/requests/<key>``: a tenant asks what became of its key (both databases)."""
+"""``GET /idempotency/requests`` (key in the header) and ``POST`` (key in the body): a tenant
+asks what became of its key (both databases)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _pay(client: t.Any, key: str, tenant: str = "alpha") -> t.Any:
 
 def _ask(client: t.Any, key: str, tenant: str | None = "alpha", **query: str) -> t.Any:
     headers = {"X-Tenant": tenant} if tenant else {}
-    return client.get(f"/idempotency/requests/{key}", query_string=query, headers=headers)
+    headers["Idempotency-Key"] = key
+    return client.get("/idempotency/requests", query_string=query, headers=headers)
 
 
 def _problem(response: t.Any, status: int, name: str) -> dict[str, t.Any]:
@@ -59,17 +61,62 @@ def test_completed_request_is_described_without_its_body(app_factory: Factory) -
     assert b"pay_1" not in response.data
 
 
-def test_key_in_the_header_keeps_it_out_of_the_url(app_factory: Factory) -> None:
+def test_key_only_in_a_header_or_a_post_body_never_in_the_url(app_factory: Factory) -> None:
     app, _, _ = app_factory()
     client = app.test_client()
     _pay(client, "k-1")
     by_header = client.get(
         "/idempotency/requests", headers={"Idempotency-Key": '"k-1"', "X-Tenant": "alpha"}
     )
-    assert by_header.get_json() == _ask(client, "k-1").get_json()
+    assert by_header.status_code == 200
+    by_body = client.post(
+        "/idempotency/requests",
+        json={"key": "k-1", "endpoint": "POST /payments"},
+        headers={"X-Tenant": "alpha"},
+    )
+    assert by_body.get_json() == by_header.get_json()
+    assert client.get("/idempotency/requests/k-1", headers={"X-Tenant": "alpha"}).status_code == 404
     missing = client.get("/idempotency/requests", headers={"X-Tenant": "alpha"})
     _problem(missing, 400, "idempotency-key-missing")
-    _problem(_ask(client, "bad%20key"), 400, "idempotency-key-invalid")
+    _problem(_ask(client, "bad key"), 400, "idempotency-key-invalid")
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        {"endpoint": "\x00"},
+        {"endpoint": "POST /pay\x00ments"},
+        {"endpoint": "POST /" + "x" * 600},
+        {"endpoint": "POST"},
+        {"endpoint": "POST /caf\u00e9"},
+    ],
+)
+def test_invalid_endpoint_filters_are_400_before_any_lookup(
+    app_factory: Factory, query: dict[str, str]
+) -> None:
+    app, _, _ = app_factory()
+    client = app.test_client()
+    _problem(_ask(client, "k-1", **query), 400, "parameter-invalid")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[]", b"{", b'{"key": 5}', b'{"key": "k", "other": 1}', b'{"key": "k", "endpoint": 7}'],
+)
+def test_invalid_post_bodies_are_400(app_factory: Factory, body: bytes) -> None:
+    app, _, _ = app_factory()
+    client = app.test_client()
+    response = client.post(
+        "/idempotency/requests",
+        data=body,
+        content_type="application/json",
+        headers={"X-Tenant": "alpha"},
+    )
+    _problem(response, 400, "parameter-invalid")
+    too_large = client.post(
+        "/idempotency/requests", data=b" " * 5000, headers={"X-Tenant": "alpha"}
+    )
+    _problem(too_large, 413, "request-body-too-large")
 
 
 def test_keys_with_slashes_are_found(app_factory: Factory) -> None:
@@ -147,13 +194,13 @@ def test_prefix_is_configurable_and_can_be_switched_off(app_factory: Factory) ->
     app, _, _ = app_factory(IDEMPOTENCY_BLUEPRINT_PREFIX="/ops/idem")
     client = app.test_client()
     _pay(client, "k")
-    headers = {"X-Tenant": "alpha"}
-    assert client.get("/ops/idem/requests/k", headers=headers).status_code == 200
-    assert client.get("/idempotency/requests/k", headers=headers).status_code == 404
+    headers = {"X-Tenant": "alpha", "Idempotency-Key": "k"}
+    assert client.get("/ops/idem/requests", headers=headers).status_code == 200
+    assert client.get("/idempotency/requests", headers=headers).status_code == 404
     for off in (None, ""):
         app, _, _ = app_factory(IDEMPOTENCY_BLUEPRINT_PREFIX=off)
         assert "flask_idem" not in app.blueprints
-        assert app.test_client().get("/idempotency/requests/k", headers=headers).status_code == 404
+        assert app.test_client().get("/idempotency/requests", headers=headers).status_code == 404
 
 
 @pytest.mark.parametrize("prefix", ["idempotency", 7, True])
@@ -168,6 +215,15 @@ def test_the_endpoint_is_never_protected_itself(app_factory: Factory) -> None:
     app, _, _ = app_factory(IDEMPOTENCY_PROTECT_ALL=True, IDEMPOTENCY_METHODS=["GET", "POST"])
     client = app.test_client()
     _pay(client, "k")
-    response = _ask(client, "k")  # no Idempotency-Key header, yet not a 400
+    response = _ask(client, "k")  # the key header is the question, not a claim
     assert response.status_code == 200
     assert "Idempotency-Key" not in response.headers
+    posted = client.post("/idempotency/requests", json={"key": "k"}, headers={"X-Tenant": "alpha"})
+    assert posted.status_code == 200
+    assert store_count(app) == 1, "no record for the inspection requests themselves"
+
+
+def store_count(app: flask.Flask) -> int:
+    store = app.extensions["idempotency"].store
+    with store.engine.connect() as conn:
+        return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())

@@ -54,6 +54,20 @@ def test_database_url_config_builds_the_store(db_url: str) -> None:
         ("IDEMPOTENCY_KEY_REQUIRED", "maybe", "true or false"),
         ("IDEMPOTENCY_WAIT", -1, "IDEMPOTENCY_WAIT must be at least"),
         ("IDEMPOTENCY_ENGINE", "sqlite://", "Engine"),
+        # Issue 11, item 7: non-finite or huge values never reach the database's intervals.
+        ("IDEMPOTENCY_TTL", "nan", "IDEMPOTENCY_TTL must be a finite number"),
+        ("IDEMPOTENCY_TTL", float("nan"), "IDEMPOTENCY_TTL must be a finite number"),
+        ("IDEMPOTENCY_TTL", "inf", "IDEMPOTENCY_TTL must be a finite number"),
+        ("IDEMPOTENCY_TTL", 1e300, "IDEMPOTENCY_TTL must be at most"),
+        ("IDEMPOTENCY_LEASE", "-inf", "IDEMPOTENCY_LEASE must be a finite number"),
+        ("IDEMPOTENCY_LEASE", 10**6, "IDEMPOTENCY_LEASE must be at most"),
+        ("IDEMPOTENCY_WAIT", "nan", "IDEMPOTENCY_WAIT must be a finite number"),
+        ("IDEMPOTENCY_WAIT", 3600, "IDEMPOTENCY_WAIT must be at most"),
+        ("IDEMPOTENCY_MAX_BODY", float("inf"), "IDEMPOTENCY_MAX_BODY must be a number"),
+        ("IDEMPOTENCY_MAX_REQUEST_BODY", 2**40, "IDEMPOTENCY_MAX_REQUEST_BODY must be at most"),
+        ("IDEMPOTENCY_MAX_REQUEST_BODY", -1, "IDEMPOTENCY_MAX_REQUEST_BODY must be at least"),
+        ("IDEMPOTENCY_PARTITIONS_AHEAD", 10**9, "IDEMPOTENCY_PARTITIONS_AHEAD must be at most"),
+        ("IDEMPOTENCY_TTL", True, "IDEMPOTENCY_TTL must be a number"),
     ],
 )
 def test_bad_config_fails_in_init_app(
@@ -228,3 +242,10 @@ def test_application_500_handler_wins(store: SQLStore) -> None:
 
     response = app.test_client().post("/boom", headers={"Idempotency-Key": "k"})
     assert response.status_code == 500 and response.data == b"custom"
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), 1e300, 0, -1])
+def test_a_per_view_ttl_must_be_finite_and_bounded(ttl: float) -> None:
+    idem = Idempotency(store=None, tenant=lambda: "t")
+    with pytest.raises(ConfigurationError, match="ttl must be a positive number"):
+        idem.idempotent(ttl=ttl)

@@ -124,13 +124,29 @@ def test_maintain_creates_partitions_ahead(pg_store: SQLStore) -> None:
     assert pg_store.maintain(ahead=10).created == (), "maintenance is idempotent"
 
 
-def test_maintain_moves_rows_out_of_default(pg_store: SQLStore, scope: Scope) -> None:
-    pg_store.claim(scope, FP, ttl=60 * 86400, lease=30)
+def test_maintain_leaves_rows_in_default_and_their_owner_keeps_its_claim(
+    pg_store: SQLStore, scope: Scope
+) -> None:
+    """Issue 11, item 6: upkeep catching up never moves a live record from under its owner."""
+    claim = pg_store.claim(scope, FP, ttl=60 * 86400, lease=30)
     _move_to_day(pg_store, scope, 20)
     assert _partition_of(pg_store, scope) == "idempotency_keys_default"
-    pg_store.maintain(ahead=20)
-    assert _partition_of(pg_store, scope) == _name(pg_store, 20)
-    assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys_default") == [(0,)]
+    report = pg_store.maintain(ahead=21)
+    assert _name(pg_store, 20) not in report.created, "its range waits until DEFAULT is clear"
+    assert _name(pg_store, 21) in report.created, "other ranges get their partitions"
+    assert _partition_of(pg_store, scope) == "idempotency_keys_default"
+    assert pg_store.renew(scope, claim.token, lease=30)
+    assert pg_store.complete(scope, claim.token, RESPONSE)
+    record = pg_store.get(scope)
+    assert record is not None and record.state is State.COMPLETED
+    # Once the row has expired and been purged, the range gets its partition.
+    _sql(
+        pg_store,
+        "UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE key = :k",
+        k=scope.key,
+    )
+    report = pg_store.maintain(ahead=21)
+    assert report.purged == 1 and _name(pg_store, 20) in report.created
 
 
 def test_maintain_drops_only_fully_expired_partitions(pg_store: SQLStore) -> None:

@@ -793,7 +793,7 @@ def test_database_down_answers_503_without_running_the_handler(
             assert reply.headers["Idempotency-Key"] == key
         assert len(server.provider_attempts()) == 1
         # Reads too, whether a worker opens a new connection or finds a stale pooled one.
-        for path in ("/v1/payments", "/v1/payments/pay_unknown") * 3:
+        for path in ("/v1/payments", "/v1/payments/pay_" + "0" * 24) * 3:
             assert_problem(server.request("GET", path), 503, "store-unavailable")
     finally:
         proxy.close()

@@ -52,7 +52,7 @@ def server(
     server = SampleServer(
         _database(request, workdir),
         workdir,
-        options=["--timeout", str(WORKER_TIMEOUT)],
+        args=["--timeout", str(WORKER_TIMEOUT)],
         SAMPLE_PROVIDER_LATENCY_MS=str(LATENCY_MS),
         FLASK_IDEMPOTENCY_LEASE=str(LEASE),
         FLASK_IDEMPOTENCY_TTL="600",

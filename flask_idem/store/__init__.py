@@ -7,6 +7,7 @@ import typing as t
 import sqlalchemy as sa
 
 from ..errors import ConfigurationError
+from . import guards
 from .base import Store
 from .postgresql import PostgresStore
 from .sql import SQLStore
@@ -33,9 +34,10 @@ def normalize_url(url: str | sa.URL) -> sa.URL:
 
 
 #: libpq settings that turn a dead or silent database into an error within seconds, so that a
-#: request fails closed with 503 instead of hanging a worker.
+#: request fails closed with 503 instead of hanging a worker (see :mod:`.guards` for the
+#: statement deadline a frozen server needs on top of these).
 PG_CONNECT_ARGS: dict[str, int] = {
-    "connect_timeout": 5,
+    "connect_timeout": guards.CONNECT_TIMEOUT,
     "keepalives": 1,
     "keepalives_idle": 10,
     "keepalives_interval": 3,
@@ -44,34 +46,64 @@ PG_CONNECT_ARGS: dict[str, int] = {
 }
 
 
-def create_engine(url: str | sa.URL, **options: t.Any) -> sa.Engine:
+def create_engine(
+    url: str | sa.URL,
+    *,
+    statement_timeout: float | None = guards.STATEMENT_TIMEOUT,
+    connect_timeout: int = guards.CONNECT_TIMEOUT,
+    **options: t.Any,
+) -> sa.Engine:
     """An engine with the pool and connection settings the store relies on.
 
     Statement parameters are hidden from error messages and logs: they carry idempotency keys,
-    claim tokens and response bodies.
+    claim tokens and response bodies. The engine is fork-safe, and on PostgreSQL its sessions
+    keep statement texts out of the server log (:mod:`flask_idem.store.guards`).
 
+    :param statement_timeout: seconds a statement may run or wait for a lock (PostgreSQL
+        ``statement_timeout`` and ``lock_timeout``, a client-side deadline one second later
+        for a silent server; the SQLite busy timeout); None for no bound (migrations).
+    :param connect_timeout: seconds to open a PostgreSQL connection.
     :param options: more :func:`sqlalchemy.create_engine` arguments (e.g. ``pool_pre_ping``).
     """
+    if statement_timeout is not None and not 0 < statement_timeout < 86400:
+        raise ConfigurationError("statement_timeout must be between 0 and 86400 seconds")
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "sqlite":
-        # Threads of one server share the file; SQLite's own locking serialises the writers.
-        return sa.create_engine(
-            parsed, connect_args={"check_same_thread": False}, hide_parameters=True, **options
+        # Threads of one server share the file; SQLite's own locking serialises the writers,
+        # each waiting at most ``timeout`` for a lock (then "database is locked": 503).
+        sqlite_args = {"check_same_thread": False, "timeout": statement_timeout or 60.0}
+        engine = sa.create_engine(parsed, connect_args=sqlite_args, hide_parameters=True, **options)
+        guards.make_fork_safe(engine)
+        return engine
+    connect_args: dict[str, t.Any] = {**PG_CONNECT_ARGS, "connect_timeout": connect_timeout}
+    if statement_timeout is not None:
+        milliseconds = int(statement_timeout * 1000)
+        connect_args["options"] = (
+            f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"
         )
-    return sa.create_engine(
+        if guards.install_wait_callback():
+            connect_args["connection_factory"] = guards.connection_factory(
+                statement_timeout + guards.DEADLINE_GRACE
+            )
+    engine = sa.create_engine(
         parsed,
         pool_size=10,
         max_overflow=20,
         pool_timeout=5,
-        connect_args=PG_CONNECT_ARGS,
+        connect_args=connect_args,
         hide_parameters=True,
         **options,
     )
+    sa.event.listen(engine, "connect", guards.quiet_server_log)
+    guards.make_fork_safe(engine)
+    return engine
 
 
 def create_store(target: str | sa.URL | sa.Engine) -> SQLStore:
     """Build the store matching a database URL or an existing engine."""
     engine = target if isinstance(target, sa.Engine) else create_engine(target)
+    # Also an engine the application built: a forked worker must never reuse its pool.
+    guards.make_fork_safe(engine)
     try:
         store_class = _STORES[engine.dialect.name]
     except KeyError:

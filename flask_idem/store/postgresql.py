@@ -39,10 +39,13 @@ Citus
 
 Partitions
     ``idempotency_create_partitions(ahead)`` creates the current and ``ahead`` next partitions
-    (daily by default; the migration fixes the granularity), moving any row that fell into the
-    DEFAULT partition meanwhile. ``idempotency_drop_expired_partitions()`` drops a partition only
-    when it no longer receives claims and every row in it is past ``expires_at``, checked under
-    an exclusive lock on that partition.
+    (daily by default; the migration fixes the granularity). It never moves rows: a range that
+    has rows in DEFAULT (upkeep fell behind) gets no partition, and its rows stay in DEFAULT
+    until they expire and are purged in batches, so an owner never loses sight of its record
+    mid-request and claims never wait for a bulk move.
+    ``idempotency_drop_expired_partitions()`` drops a partition only when it no longer
+    receives claims and every row in it is past ``expires_at``, checked under an exclusive
+    lock on that partition.
 """
 
 from __future__ import annotations
@@ -75,7 +78,14 @@ _EXPIRED = (
     "+ (expires_at - created_at) <= now()"
 )
 _COUNT_EXPIRED_DEFAULT = sa.text(f"SELECT count(*) FROM {DEFAULT_PARTITION} WHERE {_EXPIRED}")
-_PURGE_DEFAULT = sa.text(f"DELETE FROM {DEFAULT_PARTITION} WHERE {_EXPIRED}")
+_PURGE_DEFAULT = sa.text(
+    f"DELETE FROM {DEFAULT_PARTITION} WHERE ctid = ANY(ARRAY("
+    f"SELECT ctid FROM {DEFAULT_PARTITION} WHERE {_EXPIRED} LIMIT :batch))"
+)
+#: Expired rows deleted from DEFAULT per transaction.
+PURGE_BATCH = 5000
+#: How long upkeep waits for a lock that claims need too (claims queue behind the wait).
+MAINTENANCE_LOCK_TIMEOUT = "200ms"
 
 
 class PostgresStore(SQLStore):
@@ -129,23 +139,38 @@ class PostgresStore(SQLStore):
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
-        # One transaction per step: a step's locks must not be held while the next one waits
-        # for the parent table, or a claim queued between them closes a deadlock cycle.
-        created = self._maintenance_step(_CREATE_PARTITIONS, "5s", ahead=ahead, dry_run=dry_run)
-        # Claims wait behind the drop's exclusive lock: give up quickly, retry next run.
-        dropped = self._maintenance_step(_DROP_PARTITIONS, "200ms", dry_run=dry_run)
-        # Rows land in DEFAULT only when upkeep fell behind; expire them row by row.
-        with translate_errors(), self.engine.begin() as conn:
+        # Rows land in DEFAULT only when upkeep fell behind; expire them row by row, in
+        # batches that each stay well within the statement timeout, and first: a range whose
+        # rows have all gone gets its partition in this same run.
+        with translate_errors():
             if dry_run:
-                purged = int(conn.execute(_COUNT_EXPIRED_DEFAULT).scalar_one())
+                with self.engine.begin() as conn:
+                    purged = int(conn.execute(_COUNT_EXPIRED_DEFAULT).scalar_one())
             else:
-                purged = conn.execute(_PURGE_DEFAULT).rowcount
+                purged = 0
+                while True:
+                    with self.engine.begin() as conn:
+                        batch = conn.execute(_PURGE_DEFAULT, {"batch": PURGE_BATCH}).rowcount
+                    purged += batch
+                    if batch < PURGE_BATCH:
+                        break
+        # One transaction per step, and per new partition: a step's locks must not be held
+        # while the next one waits for the parent table (a claim queued between them closes a
+        # deadlock cycle), and attaching a partition holds DEFAULT locked while it checks it,
+        # so claims never wait for more than one such check.
+        if dry_run:
+            created = self._maintenance_step(_CREATE_PARTITIONS, ahead=ahead, dry_run=True)
+        else:
+            created = []
+            for step in range(ahead + 1):
+                created += self._maintenance_step(_CREATE_PARTITIONS, ahead=step, dry_run=False)
+        # Claims wait behind the drop's exclusive lock: give up quickly, retry next run.
+        dropped = self._maintenance_step(_DROP_PARTITIONS, dry_run=dry_run)
         return MaintenanceReport(tuple(created), tuple(dropped), purged, dry_run)
 
-    def _maintenance_step(
-        self, statement: sa.TextClause, lock_timeout: str, **parameters: t.Any
-    ) -> list[str]:
+    def _maintenance_step(self, statement: sa.TextClause, **parameters: t.Any) -> list[str]:
         with translate_errors(), self.engine.begin() as conn:
-            # Partition DDL waits for running claims; never let it queue them up for long.
-            conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{lock_timeout}'")
+            # Partition DDL waits for running claims, and claims queue behind a waiting DDL
+            # lock: never make them wait long; a partition left out is taken next run.
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{MAINTENANCE_LOCK_TIMEOUT}'")
             return list(conn.execute(statement, parameters).scalars())

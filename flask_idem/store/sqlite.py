@@ -20,8 +20,6 @@ from .sql import SQLStore, new_token, record_from_row, translate_errors
 # comparison is time comparison): microseconds padded from SQLite's milliseconds.
 _CLOCK = "strftime('%Y-%m-%d %H:%M:%f', 'now'{modifier}) || '000'"
 
-BUSY_TIMEOUT_MS = 30_000
-
 
 def configure_engine(engine: sa.Engine) -> None:
     """Make every transaction on ``engine`` a ``BEGIN IMMEDIATE`` one and wait on busy locks.
@@ -38,8 +36,10 @@ def configure_engine(engine: sa.Engine) -> None:
 
 def _on_connect(dbapi_connection: t.Any, _record: t.Any) -> None:
     dbapi_connection.isolation_level = None
+    # No PRAGMA busy_timeout: pysqlite's ``timeout`` (5 s by default, the statement timeout of
+    # flask_idem's engines) already bounds lock waits. It must stay well below a server's
+    # worker timeout (gunicorn: 30 s), or a locked file kills the worker before the 503.
     cursor = dbapi_connection.cursor()
-    cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     cursor.execute("PRAGMA journal_mode = WAL")
     cursor.close()
 

@@ -1,0 +1,130 @@
+"""A protected request's body is read whole and bounded before anything is claimed (issue 11).
+
+In-process, with WSGI environments shaped like gunicorn's (``wsgi.input_terminated``, a short
+read for a cut ``Content-Length`` body, an ``IOError`` for broken chunking); the same faults
+over real sockets against gunicorn are in ``test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import typing as t
+
+import flask
+import pytest
+
+from flask_idem import Idempotency
+from flask_idem.store import SQLStore
+
+from .conftest import Counter
+
+Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
+BASE = "https://flask-idem.dev/problems/"
+
+
+class _Broken(io.RawIOBase):
+    """A chunked body whose connection breaks after ``good`` bytes (gunicorn's NoMoreData)."""
+
+    def __init__(self, good: bytes) -> None:
+        self.good = io.BytesIO(good)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self.good.read(size)
+        if not chunk:
+            raise OSError("No more data after: b''")
+        return chunk
+
+
+def _records(store: SQLStore) -> int:
+    with store.engine.connect() as conn:
+        return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())
+
+
+def _post(client: t.Any, key: str, **environ: t.Any) -> t.Any:
+    body = environ.pop("body", None)
+    return client.post(
+        "/payments",
+        data=body,
+        content_type="application/json",
+        headers={"Idempotency-Key": key},
+        environ_overrides=environ,
+    )
+
+
+def _problem(response: t.Any, status: int, name: str) -> None:
+    assert response.status_code == status, response.data
+    assert response.headers["Content-Type"] == "application/problem+json"
+    assert json.loads(response.data)["type"] == BASE + name
+
+
+BODY = json.dumps({"amount": 4200, "currency": "eur"}).encode()
+
+
+def test_a_short_content_length_body_is_400_and_the_full_retry_runs(
+    store: SQLStore, app_factory: Factory
+) -> None:
+    app, _, counter = app_factory()
+    client = app.test_client()
+    cut = _post(
+        client,
+        "cut",
+        **{
+            "wsgi.input": io.BytesIO(BODY[:10]),
+            "wsgi.input_terminated": True,
+            "CONTENT_LENGTH": str(len(BODY)),
+        },
+    )
+    _problem(cut, 400, "request-body-incomplete")
+    assert cut.headers["Idempotency-Key"] == "cut"
+    assert (counter.calls, _records(store)) == (0, 0), "refused before any claim"
+    full = _post(client, "cut", body=BODY)
+    assert full.status_code == 201, full.data
+    assert full.get_json()["amount"] == 4200
+
+
+def test_a_broken_chunked_body_is_400_not_500(store: SQLStore, app_factory: Factory) -> None:
+    app, _, counter = app_factory()
+    cut = _post(
+        app.test_client(),
+        "chunked",
+        **{"wsgi.input": _Broken(BODY[:10]), "wsgi.input_terminated": True},
+    )
+    _problem(cut, 400, "request-body-incomplete")
+    assert (counter.calls, _records(store)) == (0, 0)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_body_over_the_limit_is_413(
+    store: SQLStore, app_factory: Factory, declared: bool
+) -> None:
+    app, _, counter = app_factory(IDEMPOTENCY_MAX_REQUEST_BODY=100)
+    big = json.dumps({"amount": 1, "note": "x" * 200}).encode()
+    environ: dict[str, t.Any] = {"wsgi.input": io.BytesIO(big), "wsgi.input_terminated": True}
+    if declared:
+        environ["CONTENT_LENGTH"] = str(len(big))
+    _problem(_post(app.test_client(), "big", **environ), 413, "request-body-too-large")
+    assert (counter.calls, _records(store)) == (0, 0)
+    exact = json.dumps({"amount": 1, "note": "x" * (100 - 25)}).encode()
+    assert len(exact) == 100
+    assert _post(app.test_client(), "exact", body=exact).status_code == 201
+
+
+def test_the_view_reads_the_same_body_and_form_data(app_factory: Factory) -> None:
+    app, idem, _ = app_factory()
+
+    @app.post("/form")
+    @idem.idempotent
+    def form() -> t.Any:
+        return {"form": flask.request.form.to_dict(), "raw": flask.request.get_data(as_text=True)}
+
+    response = app.test_client().post(
+        "/form",
+        data={"a": "1", "b": "2"},
+        headers={"Idempotency-Key": "form"},
+        environ_overrides={"wsgi.input_terminated": True},
+    )
+    assert response.get_json() == {"form": {"a": "1", "b": "2"}, "raw": "a=1&b=2"}
