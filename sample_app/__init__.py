@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 
-from . import problems, provider, ratelimit, reconcilers  # noqa: F401 (registers)
+from . import jobs, problems, provider, ratelimit, reconcilers  # noqa: F401 (registers)
 from .auth import authenticate
 from .extensions import idem
 from .models import init_db_command

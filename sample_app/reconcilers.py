@@ -3,7 +3,8 @@
 A payment whose worker died after the provider call (or whose outcome is ``unknown``) is
 looked up at the provider by its downstream key, the key every execution of the operation
 derives: no charge means nothing happened, a charge means the payment happened, and it is
-recorded now exactly as the view would have recorded it.
+recorded now exactly as the view would have recorded it. Subscription renewals (a job) charge
+the same way and are settled by the same function.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from flask_idem.store import create_engine
 
 from . import problems
 from .extensions import idem
+from .jobs import renew_subscription
 from .provider import current_provider
 from .views import create_payment, payment_document, record_payment
 
 
+@idem.reconciler(renew_subscription)
 @idem.reconciler(create_payment)
 def payment_outcome(record: Record) -> Verdict:
     tenant = record.scope.tenant
