@@ -242,17 +242,19 @@ def _read_key(settings: Settings, options: ViewOptions) -> str | None:
     """The request's key: from the headers, or from the view's ``key=`` function when the
     request carries its own (a webhook's event id; a header is then ignored).
 
-    :raises KeyMissing: the function found no key (it returned None or failed on the body).
+    :raises KeyMissing: the function found no key (it returned None or raised; a
+        :class:`Problem` it raises is answered as it is).
     :raises InvalidKey: the key is not 1 to 255 characters of the key alphabet.
     """
     if options.key is None:
         return read_key(request.headers, settings.headers)
     try:
         value = options.key(request)
-    except HTTPException:
-        raise  # the function's own answer (abort(400, ...))
+    except Problem:
+        raise  # the function's own answer
     except Exception:
-        value = None  # a body without the field, or no JSON at all: no key
+        # A body without the field, no JSON at all (werkzeug's 400 or 415 included): no key.
+        value = None
     if value is None or isinstance(value, bool):
         raise KeyMissing(
             "This endpoint takes its idempotency key from the request, and this request "
