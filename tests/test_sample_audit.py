@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from .sample_server import SampleServer, migrate
+from .sample_server import SampleServer, served
 from .test_sample_app import assert_executed, assert_problem, new_customer, payment
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
@@ -23,11 +23,8 @@ pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 def server(
     fresh_pg_database: t.Callable[[], str], tmp_path_factory: pytest.TempPathFactory
 ) -> t.Iterator[SampleServer]:
-    url = fresh_pg_database()
-    migrate(url)
-    server = SampleServer(url, tmp_path_factory.mktemp("audit"))
-    yield server
-    server.stop()
+    with served(fresh_pg_database(), tmp_path_factory.mktemp("audit")) as sample:
+        yield sample
 
 
 def _audit(server: SampleServer) -> tuple[int, dict[str, t.Any]]:

@@ -26,18 +26,31 @@ def _event_id(request: t.Any) -> t.Any:
     return request.get_json()["id"]
 
 
-def _receiver(app: flask.Flask, idem: Idempotency, table: sa.Table, counter: Counter) -> None:
-    @app.before_request
-    def verify_signature() -> None:
-        if flask.request.headers.get("X-Signature") != "valid":
-            flask.abort(401)
+Receiver = t.Callable[..., tuple[flask.Flask, Counter]]
 
-    @app.post("/webhooks")
-    @idem.idempotent(key=_event_id, declares_effects=True)
-    def receive() -> t.Any:
-        counter.bump()
-        idem.connection().execute(table.insert())
-        return {"received": flask.request.get_json()["id"]}, 200
+
+@pytest.fixture
+def receiver(app_factory: Factory, business: sa.Table) -> Receiver:
+    """A webhook receiver whose signature check (a ``before_request`` hook) runs first."""
+
+    def make(**config: t.Any) -> tuple[flask.Flask, Counter]:
+        app, idem, counter = app_factory(**config)
+
+        @app.before_request
+        def verify_signature() -> None:
+            if flask.request.headers.get("X-Signature") != "valid":
+                flask.abort(401)
+
+        @app.post("/webhooks")
+        @idem.idempotent(key=_event_id, declares_effects=True)
+        def receive() -> t.Any:
+            counter.bump()
+            idem.connection().execute(business.insert())
+            return {"received": flask.request.get_json()["id"]}, 200
+
+        return app, counter
+
+    return make
 
 
 def _deliver(client: t.Any, body: t.Any, *, signature: str = "valid", **headers: str) -> t.Any:
@@ -50,10 +63,9 @@ def _effects(store: SQLStore, table: sa.Table) -> int:
 
 
 def test_every_delivery_of_one_event_is_one_effect(
-    app_factory: Factory, store: SQLStore, business: sa.Table
+    receiver: Receiver, store: SQLStore, business: sa.Table
 ) -> None:
-    app, idem, counter = app_factory()
-    _receiver(app, idem, business, counter)
+    app, counter = receiver()
     client = app.test_client()
     event = {"id": "evt_1", "type": "charge.refunded"}
     first = _deliver(client, event, **{"Provider-Delivery": "dlv_1"})
@@ -82,10 +94,9 @@ def test_every_delivery_of_one_event_is_one_effect(
     ],
 )
 def test_a_missing_or_invalid_event_id_is_400_before_any_claim(
-    app_factory: Factory, store: SQLStore, business: sa.Table, body: t.Any, problem: str
+    receiver: Receiver, store: SQLStore, body: t.Any, problem: str
 ) -> None:
-    app, idem, counter = app_factory()
-    _receiver(app, idem, business, counter)
+    app, counter = receiver()
     answer = _deliver(app.test_client(), body)
     assert answer.status_code == 400 and _problem(answer) == problem
     assert counter.calls == 0 and not store.stuck()
@@ -93,20 +104,16 @@ def test_a_missing_or_invalid_event_id_is_400_before_any_claim(
         assert conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar() == 0
 
 
-def test_a_body_that_is_no_json_is_400(app_factory: Factory, business: sa.Table) -> None:
-    app, idem, counter = app_factory()
-    _receiver(app, idem, business, counter)
+def test_a_body_that_is_no_json_is_400(receiver: Receiver) -> None:
+    app, counter = receiver()
     answer = app.test_client().post(
         "/webhooks", data=b"{not json", headers={"X-Signature": "valid"}
     )
     assert _problem(answer) == "idempotency-key-missing" and counter.calls == 0
 
 
-def test_a_bad_signature_never_claims(
-    app_factory: Factory, store: SQLStore, business: sa.Table
-) -> None:
-    app, idem, counter = app_factory()
-    _receiver(app, idem, business, counter)
+def test_a_bad_signature_never_claims(receiver: Receiver, store: SQLStore) -> None:
+    app, counter = receiver()
     client = app.test_client()
     assert _deliver(client, {"id": "evt_1"}, signature="forged").status_code == 401
     assert store.get(Scope("alpha", "POST /webhooks", "evt_1")) is None
@@ -115,10 +122,9 @@ def test_a_bad_signature_never_claims(
 
 
 def test_concurrent_deliveries_of_one_event_are_one_effect(
-    app_factory: Factory, store: SQLStore, business: sa.Table
+    receiver: Receiver, store: SQLStore, business: sa.Table
 ) -> None:
-    app, idem, counter = app_factory(IDEMPOTENCY_WAIT=5)
-    _receiver(app, idem, business, counter)
+    app, counter = receiver(IDEMPOTENCY_WAIT=5)
     barrier = threading.Barrier(6)
 
     def deliver(_: int) -> int:
