@@ -39,6 +39,10 @@ WORKERS = 2
 KILLS = 6
 #: Seconds a redelivery after ``JobInProgress`` waits (a broker's retry delay).
 RETRY_DELAY = 0.3
+#: The provider takes this long after recording a charge, so a delivery lasts at least as long
+#: and a kill scheduled within it lands before the ack (before the claim, before or after the
+#: charge, or after the commit).
+PROVIDER_LATENCY = 0.3
 
 
 class Worker:
@@ -53,7 +57,7 @@ class Worker:
                     **os.environ,
                     "DATABASE_URL": url,
                     "FLASK_IDEMPOTENCY_LEASE": "1",
-                    "SAMPLE_PROVIDER_LATENCY_MS": "150",
+                    "SAMPLE_PROVIDER_LATENCY_MS": str(int(PROVIDER_LATENCY * 1000)),
                 },
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -120,7 +124,7 @@ def _run_queue(
                 worker = idle.pop()
                 worker.deliver(message, messages[message])
                 if kills < KILLS and rng.random() < 0.6:
-                    worker.kill_at = now + rng.uniform(0, 0.5)
+                    worker.kill_at = now + rng.uniform(0, PROVIDER_LATENCY + 0.05)
                 if idle and rng.random() < 0.3:
                     idle.pop().deliver(message, messages[message])  # delivered twice at once
             for key, _ in selector.select(timeout=0.02):
