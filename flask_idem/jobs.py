@@ -48,7 +48,16 @@ import typing as t
 from flask import current_app, has_app_context
 
 from . import signals
-from .attempt import Found, classify, emit, give_up, own, store_result, take_over
+from .attempt import (
+    Found,
+    classify,
+    emit,
+    give_up,
+    own,
+    stop_watching,
+    store_result,
+    take_over,
+)
 from .errors import (
     ConfigurationError,
     JobError,
@@ -202,6 +211,7 @@ def _execute(
         state.crashed = True
         give_up(app_state, state, "the job raised an exception")
         raise
+    stop_watching(app_state, state)
     snapshot = _snapshot(app_state, value)
     digest = key_hash(state.scope)
     try:
