@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from . import signals
-from .errors import ConfigurationError, IdempotencyError, StoreUnavailable
+from .audit import DownstreamRecord
+from .errors import (
+    ConfigurationError,
+    IdempotencyError,
+    JobError,
+    JobInProgress,
+    JobKeyReused,
+    JobOutcomePending,
+    JobResultNotStored,
+    JobResultUnreadable,
+    StoreUnavailable,
+)
 from .extension import Idempotency
 from .keys import derive_key
 from .options import ViewOptions
@@ -17,8 +28,15 @@ __version__ = "0.1.0"
 __all__ = [
     "ClaimResult",
     "ConfigurationError",
+    "DownstreamRecord",
     "Idempotency",
     "IdempotencyError",
+    "JobError",
+    "JobInProgress",
+    "JobKeyReused",
+    "JobOutcomePending",
+    "JobResultNotStored",
+    "JobResultUnreadable",
     "MaintenanceReport",
     "Problem",
     "Record",

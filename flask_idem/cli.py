@@ -1,5 +1,5 @@
-"""``flask idem ...``: partition upkeep, stuck requests, inspection, release, reconciliation and
-distribution over Citus, encryption keys.
+"""``flask idem ...``: partition upkeep, stuck requests, inspection, release, reconciliation, the
+next-day audit against downstream services, distribution over Citus and encryption keys.
 
 Every command prints for a terminal by default and JSON with ``--json`` (for scripts and
 alerting), and exits non-zero when the store fails. Raw keys are printed only with
@@ -9,6 +9,7 @@ signals); stored bodies only with ``IDEMPOTENCY_INSPECT_BODIES``.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import json
 import sys
@@ -18,6 +19,7 @@ import click
 from flask.cli import AppGroup
 
 from . import citus
+from .audit import AuditReport, Discrepancy, DownstreamRecord, Finding, audit
 from .errors import IdempotencyError
 from .keys import key_hash
 from .reconcile import Action, Settlement, reconcile
@@ -325,6 +327,110 @@ def reconcile_command(limit: int, as_json: bool) -> None:
         click.echo(_reconcile_text(settlements, counts))
     if counts[Action.UNKNOWN]:
         click.get_current_context().exit(1)
+
+
+@idem_group.command("audit-downstream")
+@click.option(
+    "--day",
+    type=click.DateTime(["%Y-%m-%d"]),
+    default=None,
+    help="The UTC day to audit [default: yesterday].",
+)
+@click.option(
+    "--margin",
+    type=click.FloatRange(min=0),
+    default=3600,
+    show_default=True,
+    help="Seconds read beyond the day on both sides, to match operations across midnight.",
+)
+@json_option
+@_store_errors
+def audit_downstream(day: dt.datetime | None, margin: float, as_json: bool) -> None:
+    """Compare a day of records with what downstream services recorded.
+
+    Each registered downstream lookup (idem.downstream_lookup) lists the operations its
+    service recorded (a provider's charges); they are matched by downstream key with the
+    day's completed and unknown records. Reports operations no record explains (a duplicate
+    made behind the extension's back), records with more than one operation, and unknown
+    records the service shows done. Exits with status 1 when it finds anything.
+    """
+    today = dt.datetime.now(dt.timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    start = today - dt.timedelta(days=1) if day is None else day.replace(tzinfo=dt.timezone.utc)
+    ttl = AppState.current().settings.ttl
+    if start < dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=ttl):
+        click.echo(
+            "warning: the day is older than IDEMPOTENCY_TTL; records may be purged already, "
+            "so their operations would be reported as unmatched",
+            err=True,
+        )
+    report = audit(start, start + dt.timedelta(days=1), margin=margin)
+    if as_json:
+        _print_json(_audit_json(report))
+    else:
+        click.echo(_audit_text(report))
+    if report.discrepancies:
+        click.get_current_context().exit(1)
+
+
+def _audit_json(report: AuditReport) -> dict[str, t.Any]:
+    def operation(op: DownstreamRecord) -> dict[str, t.Any]:
+        return {
+            "id": op.id,
+            "tenant": op.tenant,
+            "created": op.created.isoformat(),
+            "detail": op.detail,
+        }
+
+    def discrepancy(found: Discrepancy) -> dict[str, t.Any]:
+        record = found.record
+        return {
+            "finding": found.finding.value,
+            "operations": [operation(op) for op in found.operations],
+            "record": None
+            if record is None
+            else record_schema(bodies=False, keys=False).dump(record),
+        }
+
+    return {
+        "start": report.start.isoformat(),
+        "end": report.end.isoformat(),
+        "records": report.records,
+        "operations": report.operations,
+        **{finding.value: report.count(finding) for finding in Finding},
+        "discrepancies": [discrepancy(found) for found in report.discrepancies],
+    }
+
+
+_FINDING_TEXT = {
+    Finding.UNMATCHED: "no record derives its downstream key (made behind the extension)",
+    Finding.DUPLICATE: "one record, more than one downstream operation",
+    Finding.UNKNOWN: "the record is unknown but the service shows it done: reconcile it",
+}
+
+
+def _audit_text(report: AuditReport) -> str:
+    summary = (
+        f"audited {report.start:%Y-%m-%d}: {_plural(report.records, 'record')}, "
+        f"{_plural(report.operations, 'downstream operation')}; "
+        f"{report.count(Finding.UNMATCHED)} unmatched, "
+        f"{report.count(Finding.DUPLICATE)} duplicate, "
+        f"{report.count(Finding.UNKNOWN)} unknown but done"
+    )
+    if not report.discrepancies:
+        return summary
+    rows = [
+        [
+            found.finding.value,
+            ", ".join(op.id for op in found.operations),
+            found.operations[0].tenant,
+            "-" if found.record is None else found.record.scope.endpoint,
+            "-" if found.record is None else key_hash(found.record.scope),
+            _FINDING_TEXT[found.finding],
+        ]
+        for found in report.discrepancies
+    ]
+    table = _table(["FINDING", "OPERATIONS", "TENANT", "ENDPOINT", "KEY HASH", "WHAT"], rows)
+    return f"{summary}\n\n{table}"
 
 
 def _settlement_json(settlement: Settlement) -> dict[str, t.Any]:

@@ -22,3 +22,50 @@ class UnreadableResponse(IdempotencyError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"stored response unreadable: {reason}")
         self.reason = reason
+
+
+class JobError(IdempotencyError):
+    """A delivered job message that was not run; ``retryable`` tells the queue what to do.
+
+    The message is safe to show and log: it names the job and the key hash, never the key.
+    """
+
+    #: Whether delivering the message again later can succeed (retry it) or never can.
+    retryable: bool = True
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        #: Seconds after which a redelivery may succeed (a queue's countdown).
+        self.retry_after = retry_after
+
+
+class JobInProgress(JobError):
+    """Another worker runs this message now (its lease is held): redeliver it later, when it
+    either completed (the redelivery gets its result) or died (the redelivery takes over)."""
+
+
+class JobOutcomePending(JobError):
+    """A run of this message may have had its effect but its outcome is unknown, and the job's
+    ``recovery="fail"`` forbids running it again: a reconciler or an operator settles it."""
+
+
+class JobKeyReused(JobError):
+    """The key came back with different arguments: another operation, never this message's
+    redelivery. Retrying cannot help: a new operation needs a new key."""
+
+    retryable = False
+
+
+class JobResultNotStored(JobError):
+    """The message ran but its result was not storable (not JSON, or larger than
+    ``IDEMPOTENCY_MAX_BODY``): it cannot be replayed, and it is never run again."""
+
+    retryable = False
+
+
+class JobResultUnreadable(JobError):
+    """The message ran, but its stored result cannot be decrypted here (its encryption key is
+    not configured): a redelivery succeeds once it is, and the job is never run again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after=30)

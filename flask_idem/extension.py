@@ -1,6 +1,7 @@
 """The Flask extension: registration, the per-view decorator and the helpers views call.
 
-The request flow itself (claim, replay, finish, give up) is :mod:`flask_idem.flow`.
+The request flow itself (claim, replay, finish, give up) is :mod:`flask_idem.flow`; jobs are
+:mod:`flask_idem.jobs`, the next-day check :mod:`flask_idem.audit`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sqlalchemy as sa
 from flask import Blueprint, Flask, current_app, got_request_exception, request
 from werkzeug.exceptions import InternalServerError
 
-from . import flow
+from . import flow, jobs
 from .config import Settings
 from .errors import ConfigurationError, StoreUnavailable
 from .keys import derive_key
@@ -21,6 +22,9 @@ from .options import (
     EXEMPT,
     OPTIONS_ATTRIBUTE,
     FingerprintFunction,
+    JobArgument,
+    JobOptions,
+    KeyFunction,
     Recovery,
     ReplayFunction,
     ViewOptions,
@@ -30,6 +34,7 @@ from .state import EXTENSION_NAME, AppState, RequestState
 from .store import Store, create_store
 
 if t.TYPE_CHECKING:
+    from .audit import Lookup, LookupTarget
     from .reconcile import Reconciler, ReconcilerTarget
 
 P = t.ParamSpec("P")
@@ -57,6 +62,7 @@ class Idempotency:
         self._tenant = tenant
         self._blueprints: dict[Blueprint, ViewOptions] = {}
         self._reconcilers: dict[ReconcilerTarget, Reconciler] = {}
+        self._lookups: dict[ReconcilerTarget, LookupTarget] = {}
         if app is not None:
             self.init_app(app)
 
@@ -132,8 +138,9 @@ class Idempotency:
                 return Verdict.happened(({"id": charge.id}, 201))
 
         :param endpoint: the view function, its Flask endpoint name (``"payments.create"``,
-            as for ``url_for``; both cover each protected method of its URL rules), or the
-            endpoint as records spell it (``"POST /v1/payments"``).
+            as for ``url_for``; both cover each protected method of its URL rules), the
+            endpoint as records spell it (``"POST /v1/payments"``), or a job function (its
+            records spell ``"JOB <name>"``).
         """
 
         def register(function: Reconciler) -> Reconciler:
@@ -148,6 +155,93 @@ class Idempotency:
     def reconcilers(self) -> t.Mapping[ReconcilerTarget, Reconciler]:
         """The registered reconcilers, by the target they were registered for."""
         return types.MappingProxyType(self._reconcilers)
+
+    def downstream_lookup(
+        self, endpoint: ReconcilerTarget, *, step: str
+    ) -> t.Callable[[Lookup], Lookup]:
+        """Decorator registering what a downstream service recorded, for the next-day check
+        (``flask idem audit-downstream``, see :mod:`flask_idem.audit`).
+
+        The function gets a time window ``(start, end)`` and returns the service's operations
+        created in it (the provider's charges), each with the downstream key it was sent::
+
+            @idem.downstream_lookup(create_payment, step="charge")
+            def provider_charges(start, end):
+                return [DownstreamRecord(c.id, c.tenant, c.downstream_key, c.created)
+                        for c in provider.list_charges(created_from=start, created_to=end)]
+
+        :param endpoint: as for :meth:`reconciler`; one function may be registered for several
+            endpoints that call the same service (it is asked once per run).
+        :param step: the step the endpoint passes to :meth:`downstream_key` for this call.
+        """
+        from .audit import LookupTarget
+
+        def register(function: Lookup) -> Lookup:
+            if endpoint in self._lookups:
+                raise ConfigurationError(f"a downstream lookup for {endpoint!r} is registered")
+            self._lookups[endpoint] = LookupTarget(function, step)
+            return function
+
+        return register
+
+    @property
+    def downstream_lookups(self) -> t.Mapping[ReconcilerTarget, LookupTarget]:
+        """The registered downstream lookups, by the target they were registered for."""
+        return types.MappingProxyType(self._lookups)
+
+    def job(
+        self,
+        name: str,
+        *,
+        key: JobArgument,
+        tenant: JobArgument,
+        ttl: float | None = None,
+        lease: float | None = None,
+        recovery: Recovery = "fail",
+        declares_effects: bool = False,
+        fingerprint: t.Callable[..., bytes | str] | None = None,
+    ) -> t.Callable[[t.Callable[P, R]], t.Callable[P, R]]:
+        """Give a worker function the outcome model of a view (see :mod:`flask_idem.jobs`).
+
+        A call claims ``(tenant, "JOB <name>", key)``, runs the function and stores its return
+        value as JSON with the business transaction of :meth:`connection`; a redelivered
+        message gets that value back (decoded from JSON) instead of a second run. A call
+        needs an app context, not a request. A redelivery while another worker still runs
+        the message raises :class:`~flask_idem.errors.JobInProgress` (retry it later)::
+
+            @idem.job("charge-order", key="order_id", tenant="merchant",
+                      recovery="reexecute", declares_effects=True)
+            def charge_order(merchant: str, order_id: str, amount: int) -> dict:
+                charge = provider.charge(amount, idempotency_key=idem.downstream_key("charge"))
+                idem.connection().execute(orders.update()...)
+                return {"charge": charge.id}
+
+        :param name: the job's name (1 to 200 characters from ``A-Z a-z 0-9 . _ : / -``).
+        :param key: what identifies one operation: the name of a parameter (a business key
+            such as an order id, or the message id), or a callable taking the job's arguments.
+            Validated like a header key.
+        :param tenant: whose operation it is, spelled like ``key``; never a global namespace.
+        :param ttl: seconds the key stays live (default ``IDEMPOTENCY_TTL``): longer than the
+            queue's longest redelivery delay.
+        :param lease: seconds before a worker that stopped renewing counts as gone (default
+            ``IDEMPOTENCY_LEASE``); renewed every third of it while the job runs.
+        :param recovery: as for :meth:`idempotent`.
+        :param declares_effects: as for :meth:`idempotent`.
+        :param fingerprint: ``(*args, **kwargs) -> bytes | str`` replacing the JSON of the
+            arguments, which a redelivery must repeat (else ``JobKeyReused``).
+        """
+        return jobs.job(
+            JobOptions(
+                name,
+                key,
+                tenant,
+                ttl=ttl,
+                lease=lease,
+                recovery=recovery,
+                declares_effects=declares_effects,
+                fingerprint=fingerprint,
+            )
+        )
 
     @t.overload
     def idempotent(self, view: t.Callable[P, R]) -> t.Callable[P, R]: ...
@@ -165,6 +259,7 @@ class Idempotency:
         recovery: Recovery = "fail",
         declares_effects: bool = False,
         replay: ReplayFunction | None = None,
+        key: KeyFunction | None = None,
     ) -> t.Callable[[t.Callable[P, R]], t.Callable[P, R]]: ...
 
     def idempotent(
@@ -179,6 +274,7 @@ class Idempotency:
         recovery: Recovery = "fail",
         declares_effects: bool = False,
         replay: ReplayFunction | None = None,
+        key: KeyFunction | None = None,
     ) -> t.Any:
         """Protect a view. The claim runs when the view is called, after every decorator
         placed above this one (put authorization there, or in a ``before_request`` hook).
@@ -203,6 +299,13 @@ class Idempotency:
         :param replay: a callable ``(stored response) -> response`` building the answer to a
             retry, for responses that must not be replayed verbatim (short-lived signed URLs,
             one-time tokens).
+        :param key: a callable ``(request) -> str`` taking the key from the request itself,
+            for senders that assign one per operation (a webhook's event id:
+            ``key=lambda request: request.get_json()["id"]``); the header is then ignored. A
+            request it finds no key in (it returns None or raises) is refused with 400
+            ``idempotency-key-missing``, an invalid key with 400 ``idempotency-key-invalid``,
+            both before any claim. Verify signatures before the claim (a ``before_request``
+            hook or a decorator above this one).
         """
         options = ViewOptions.build(
             ttl=ttl,
@@ -213,6 +316,7 @@ class Idempotency:
             recovery=recovery,
             declares_effects=declares_effects,
             replay=replay,
+            key=key,
         )
 
         def decorate(function: t.Callable[P, R]) -> t.Callable[P, R]:
@@ -299,7 +403,7 @@ class Idempotency:
             state.contacted = True
 
     def connection(self) -> sa.Connection:
-        """The request's business transaction on the store's database.
+        """The request's (or job's) business transaction on the store's database.
 
         Writes made here commit in the same transaction as the stored response (no crash
         window between them), or roll back with it when the attempt fails.
@@ -318,7 +422,9 @@ class Idempotency:
         """
         state = RequestState.current()
         if state is None or state.record is None:
-            raise RuntimeError("downstream_key() needs a request that holds an idempotency key")
+            raise RuntimeError(
+                "downstream_key() needs a request or a job that holds an idempotency key"
+            )
         state.contacted = True
         return derive_key(state.record, step)
 

@@ -19,6 +19,10 @@ provably committed nothing: the view declared its effects (``declares_effects=Tr
 not yet declared contact with the outside world (``idem.downstream_key()`` or
 ``idem.side_effect()``). Every other failure leaves the key ``unknown``, never free.
 
+The decisions that do not depend on HTTP (what an existing record leads to, giving up,
+recording the result) live in :mod:`flask_idem.attempt`, shared with background jobs
+(:mod:`flask_idem.jobs`), so that a view and a job follow one outcome model.
+
 The outcome table (the behaviour contract; README mirrors it):
 
 =============================================  =========================  ======================
@@ -59,18 +63,28 @@ import logging
 import time
 import typing as t
 
-import sqlalchemy as sa
 from flask import current_app, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
 
 from . import signals
+from .attempt import (
+    CommitUncertain,
+    Found,
+    classify,
+    emit,
+    give_up,
+    own,
+    stop_watching,
+    store_result,
+    take_over,
+)
 from .body import read_body
 from .config import Settings
 from .errors import StoreUnavailable
 from .fingerprint import fingerprint as canonical_fingerprint
-from .keys import InvalidKey, echo_of_invalid, key_hash, read_key
+from .keys import InvalidKey, check_key, echo_of_invalid, key_hash, read_key
 from .options import ViewOptions
 from .problem import (
     InternalError,
@@ -84,7 +98,7 @@ from .problem import (
     StoreUnavailableProblem,
     TenantUnresolved,
 )
-from .record import ClaimResult, Record, Scope, State, StoredResponse
+from .record import ClaimResult, Record, Scope, StoredResponse
 from .sealing import unreadable_problem
 from .state import AppState, RequestState
 from .store.sql import translate_errors
@@ -180,7 +194,7 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     """
     settings = app_state.settings
     try:
-        key = read_key(request.headers, settings.headers)
+        key = _read_key(settings, options)
     except InvalidKey as exc:
         echo = echo_of_invalid(request.headers, settings.headers)
         _start(RequestState(None, options, echo=echo))
@@ -215,7 +229,7 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
         if isinstance(result, Response):
             return result
         if result is not None:
-            _own(app_state, state, result)
+            own(app_state, state, result, settings.lease)
             return None
 
 
@@ -224,43 +238,40 @@ def answer_existing(
 ) -> ClaimResult | Response | None:
     """What a claim that found a record leads to: a problem (raised), a replay, a takeover to
     run the view with, or None to claim again after a short wait."""
-    if record.fingerprint != digest:
-        _emit(signals.mismatch, record.scope)
+    found = classify(record, digest, options.recovery)
+    if found is Found.MISMATCH:
+        emit(signals.mismatch, record.scope)
         raise KeyReused(
             "This idempotency key was already used with a different request; "
             "use a new key for a new operation."
         )
-    if record.state is State.COMPLETED:
+    if found is Found.COMPLETED:
         if record.unreadable is not None:
             raise unreadable_problem(record)  # never a replay of garbage, never a re-run
         assert record.response is not None
-        _emit(signals.replayed, record.scope, status=record.response.status)
+        emit(signals.replayed, record.scope, status=record.response.status)
         return replay(record.response, options)
-    if record.state is State.UNSTORED:
+    if found is Found.UNSTORED:
         raise ResponseNotStored(
             "The original request completed but its response was too large or streamed "
             "to be stored; it cannot be replayed."
         )
-    if record.state is State.IN_PROGRESS and not record.lease_expired:
+    if found is Found.RUNNING:
         if time.monotonic() < deadline:
             time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
             return None
-        _emit(signals.conflict, record.scope)
+        emit(signals.conflict, record.scope)
         raise RequestInProgress(
             "A request with this idempotency key is still being processed; retry later.",
             retry_after=IN_FLIGHT_RETRY_AFTER,
         )
-    # Unknown, reopened, or in progress past the lease: nobody owns the outcome.
-    if record.state is not State.REOPENED and options.recovery != "reexecute":
+    if found is Found.PENDING:
         raise OutcomePending(
             "The original request may have taken effect but its outcome is not known; it "
             "will not be executed again automatically and is being reconciled."
         )
-    assert record.claim_token is not None
     # One winner: a loser claims again and finds the winner's record in progress.
-    return app_state.store.take_over(
-        record.scope, record.claim_token, lease=app_state.settings.lease
-    )
+    return take_over(app_state, record, app_state.settings.lease)
 
 
 def replay(stored: StoredResponse, options: ViewOptions) -> Response:
@@ -285,12 +296,29 @@ def _start(state: RequestState) -> RequestState:
     return state
 
 
-def _own(app_state: AppState, state: RequestState, claim: ClaimResult) -> None:
-    assert state.scope is not None
-    state.token = claim.token
-    state.record = claim.record
-    state.watch = app_state.keeper.watch(claim.record, app_state.settings.lease)
-    _emit(signals.claimed, state.scope)
+def _read_key(settings: Settings, options: ViewOptions) -> str | None:
+    """The request's key: from the headers, or from the view's ``key=`` function when the
+    request carries its own (a webhook's event id; a header is then ignored).
+
+    :raises KeyMissing: the function found no key (it returned None or raised; a
+        :class:`Problem` it raises is answered as it is).
+    :raises InvalidKey: the key is not 1 to 255 characters of the key alphabet.
+    """
+    if options.key is None:
+        return read_key(request.headers, settings.headers)
+    try:
+        value = options.key(request)
+    except Problem:
+        raise  # the function's own answer
+    except Exception:
+        # A body without the field, no JSON at all (werkzeug's 400 or 415 included): no key.
+        value = None
+    if value is None or isinstance(value, bool):
+        raise KeyMissing(
+            "This endpoint takes its idempotency key from the request, and this request "
+            "carries none."
+        )
+    return check_key(str(value))
 
 
 def _tenant(app_state: AppState) -> str:
@@ -355,7 +383,7 @@ def finish(response: Response) -> Response:
     if state.token is None:
         _commit(state)  # idem.connection() in an unprotected request
         return response
-    _stop_watching(app_state, state)
+    stop_watching(app_state, state)
     if state.crashed:
         give_up(app_state, state, "the view raised an exception")
         return response
@@ -391,25 +419,12 @@ def response_snapshot(settings: Settings, response: Response) -> StoredResponse 
 def _complete(app_state: AppState, state: RequestState, response: Response) -> Response:
     assert state.scope is not None and state.token is not None
     snapshot = response_snapshot(app_state.settings, response)
-    committing = False
     try:
-        stored = app_state.store.complete(
-            state.scope,
-            state.token,
-            snapshot,
-            connection=state.connection,
-            created_at=_created_at(state),
+        stored = store_result(app_state, state, snapshot)
+    except StoreUnavailable as exc:
+        return _store_failed(
+            app_state, state, response, committing=isinstance(exc, CommitUncertain)
         )
-        if state.connection is not None:
-            committing = stored
-            with translate_errors():
-                if stored:
-                    state.connection.commit()
-                else:
-                    state.connection.rollback()
-    except StoreUnavailable:
-        return _store_failed(app_state, state, response, committing=committing)
-    state.finished = True
     if not stored:
         # The lease expired and a retry took the record over: this request's writes in the
         # business transaction are rolled back and the operation belongs to the new owner.
@@ -423,7 +438,7 @@ def _complete(app_state: AppState, state: RequestState, response: Response) -> R
                 retry_after=IN_FLIGHT_RETRY_AFTER,
             ),
         )
-    _emit(signals.completed, state.scope, status=response.status_code, stored=snapshot is not None)
+    emit(signals.completed, state.scope, status=response.status_code, stored=snapshot is not None)
     if snapshot is None:
         log.warning(
             "response not stored (streamed or larger than IDEMPOTENCY_MAX_BODY); "
@@ -465,28 +480,6 @@ def _store_failed(
             "have taken effect outside this service; retry with the same key, never a new one."
         )
     return _problem_response(app_state, state, StoreUnavailableProblem(detail))
-
-
-def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
-    """Roll the business transaction back; release the key only when the attempt provably
-    committed nothing, else mark it ``unknown``."""
-    assert state.scope is not None and state.token is not None
-    state.finished = True
-    _stop_watching(app_state, state)
-    _rollback(state)
-    store = app_state.store
-    digest = key_hash(state.scope)
-    try:
-        if state.releasable:
-            store.release(state.scope, state.token, created_at=_created_at(state))
-            _emit(signals.released, state.scope, reason=reason)
-        else:
-            store.mark_unknown(state.scope, state.token, created_at=_created_at(state))
-            _emit(signals.unknown, state.scope, reason=reason)
-            log.warning("outcome unknown: %s", reason, extra={"key_hash": digest})
-    except StoreUnavailable:
-        # The lease runs out on its own; the record then counts as unknown, never free.
-        log.error("could not give the key up: %s", reason, extra={"key_hash": digest})
 
 
 # -- teardown: a request that never answered -------------------------------------------------
@@ -550,19 +543,6 @@ def _echo_unclaimed(app_state: AppState, response: Response) -> None:
         response.headers[settings.header] = key
 
 
-def _emit(signal: t.Any, scope: Scope, **extra: t.Any) -> None:
-    """Send a signal with the app as sender and the scope as tenant, endpoint and key hash."""
-    if not signal.receivers:
-        return  # the common case: nobody listens, so skip hashing the key
-    signal.send(
-        current_app._get_current_object(),  # type: ignore[attr-defined]
-        tenant=scope.tenant,
-        endpoint=scope.endpoint,
-        key_hash=key_hash(scope),
-        **extra,
-    )
-
-
 def _problem_response(app_state: AppState, state: RequestState, problem: Problem) -> Response:
     response = problem.get_response()
     if state.scope is not None:
@@ -570,26 +550,7 @@ def _problem_response(app_state: AppState, state: RequestState, problem: Problem
     return response
 
 
-def _created_at(state: RequestState) -> t.Any:
-    # Tells PostgreSQL which partition holds the record (see ``Store.complete``).
-    return None if state.record is None else state.record.created_at
-
-
-def _stop_watching(app_state: AppState, state: RequestState) -> None:
-    if state.watch is not None:
-        app_state.keeper.unwatch(state.watch)
-        state.watch = None
-
-
 def _commit(state: RequestState) -> None:
     if state.connection is not None:
         with translate_errors():
             state.connection.commit()
-
-
-def _rollback(state: RequestState) -> None:
-    if state.connection is not None:
-        try:
-            state.connection.rollback()
-        except sa.exc.SQLAlchemyError:
-            log.warning("rollback of the business transaction failed", exc_info=True)

@@ -33,6 +33,14 @@ def normalize(value: str) -> str:
     value = value.strip(" \t")
     if len(value) >= 2 and value[0] == value[-1] == '"':
         value = value[1:-1]
+    return check_key(value)
+
+
+def check_key(value: str) -> str:
+    """``value`` if it is a valid key (as a header, a webhook's event id or a job's key).
+
+    :raises InvalidKey: it is not 1 to 255 characters from the key alphabet.
+    """
     if not KEY_PATTERN.fullmatch(value):
         raise InvalidKey(
             "an idempotency key is 1 to 255 characters from A-Z a-z 0-9 - _ . : ~ + / ="

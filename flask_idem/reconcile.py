@@ -33,6 +33,7 @@ from flask.typing import ResponseReturnValue
 
 from .errors import ConfigurationError
 from .flow import response_snapshot
+from .jobs import JOB_ATTRIBUTE
 from .keys import key_hash
 from .record import Record, StoredResponse
 from .state import AppState
@@ -80,9 +81,10 @@ class Verdict:
 
 #: A function that gets a stuck record and tells what became of its operation.
 Reconciler = t.Callable[[Record], Verdict]
-#: What a reconciler is registered for: a view function, a Flask endpoint name, or the
-#: endpoint as records spell it (``"POST /v1/payments"``).
+#: What a reconciler is registered for: a view function, a Flask endpoint name, the endpoint
+#: as records spell it (``"POST /v1/payments"``, ``"JOB charge-order"``), or a job function.
 ReconcilerTarget = str | t.Callable[..., t.Any]
+V = t.TypeVar("V")
 
 
 class Action(str, enum.Enum):
@@ -122,27 +124,32 @@ def reconcile(records: t.Iterable[Record]) -> t.Iterator[Settlement]:
 
 def resolve_targets(
     app: Flask,
-    registered: t.Mapping[ReconcilerTarget, Reconciler],
+    registered: t.Mapping[ReconcilerTarget, V],
     methods: t.Collection[str],
-) -> dict[str, Reconciler]:
-    """Map registered reconcilers to the endpoints records carry (``"POST /v1/payments"``).
+    what: str = "reconciler",
+) -> dict[str, V]:
+    """Map registered reconcilers (or downstream lookups: ``what``) to the endpoints records
+    carry (``"POST /v1/payments"``, ``"JOB charge-order"``).
 
     A view function or Flask endpoint name covers each of ``methods`` (the protected ones) on
     each URL rule of that endpoint.
     """
-    resolved: dict[str, Reconciler] = {}
+    resolved: dict[str, V] = {}
     for target, function in registered.items():
-        for endpoint in _record_endpoints(app, target, methods):
+        for endpoint in _record_endpoints(app, target, methods, what):
             if endpoint in resolved:
-                raise ConfigurationError(f"two reconcilers are registered for {endpoint!r}")
+                raise ConfigurationError(f"two {what}s are registered for {endpoint!r}")
             resolved[endpoint] = function
     return resolved
 
 
 def _record_endpoints(
-    app: Flask, target: ReconcilerTarget, methods: t.Collection[str]
+    app: Flask, target: ReconcilerTarget, methods: t.Collection[str], what: str
 ) -> list[str]:
-    if isinstance(target, str) and " /" in target:
+    job = getattr(target, JOB_ATTRIBUTE, None)
+    if job is not None:
+        return [job.endpoint]
+    if isinstance(target, str) and (" /" in target or target.startswith("JOB ")):
         return [target]
     if isinstance(target, str):
         names = [target] if target in app.view_functions else []
@@ -156,9 +163,9 @@ def _record_endpoints(
     ]
     if not endpoints:
         raise ConfigurationError(
-            f"reconciler target {getattr(target, '__name__', target)!r} is no view of this app "
-            "with a protected method; register it for the view function, its endpoint name, "
-            'or the endpoint as records spell it ("POST /v1/payments")'
+            f"{what} target {getattr(target, '__name__', target)!r} is no view of this app with "
+            "a protected method; register it for the view function, its endpoint name, a job "
+            'function, or the endpoint as records spell it ("POST /v1/payments")'
         )
     return endpoints
 

@@ -1,8 +1,10 @@
 """Per-application and per-request state, importable by every module of the package.
 
 ``init_app`` keeps an :class:`AppState` in ``app.extensions["idempotency"]``; the request flow
-keeps a :class:`RequestState` on ``flask.g``. This module imports nothing above the store, so
-the CLI, the blueprint, reconcilers and the flow can all use it without an import cycle.
+keeps a :class:`RequestState` on ``flask.g``, and so does a job (``flask.g`` lives on the app
+context, so ``idem.downstream_key()`` and ``idem.connection()`` work in a job as in a view).
+This module imports nothing above the store, so the CLI, the blueprint, reconcilers, jobs and
+the flow can all use it without an import cycle.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from flask import current_app, g
 
 from .config import Settings
 from .lease import LeaseKeeper, Watch
-from .options import ViewOptions
+from .options import JobOptions, ViewOptions
 from .record import Record, Scope
 from .store import Store
 
@@ -43,18 +45,18 @@ class AppState:
 
 @dataclasses.dataclass
 class RequestState:
-    """One protected request's progress through the state machine (kept on ``flask.g``)."""
+    """One protected request's (or job's) progress through the state machine (on ``flask.g``)."""
 
     scope: Scope | None
-    options: ViewOptions | None
+    options: ViewOptions | JobOptions | None
     token: str | None = None
     #: The record this request owns (claimed or taken over).
     record: Record | None = None
     watch: Watch | None = None
     connection: sa.Connection | None = None
-    #: The view declared contact with the outside world (``downstream_key``, ``side_effect``).
+    #: The view or job declared contact with the outside world (``downstream_key()``...).
     contacted: bool = False
-    #: The view raised (whoever rendered the exception afterwards).
+    #: The view or job raised (whoever rendered the exception afterwards).
     crashed: bool = False
     finished: bool = False
     #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``).

@@ -12,17 +12,19 @@ import sqlalchemy as sa
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 
-from . import problems, provider, ratelimit, reconcilers  # noqa: F401 (registers)
+from . import jobs, problems, provider, ratelimit, reconcilers  # noqa: F401 (registers)
 from .auth import authenticate
 from .extensions import idem
 from .models import init_db_command
 from .views import bp
+from .webhooks import bp as webhooks_bp
 
 #: ``SAMPLE_*`` settings, read from the environment of the same name.
 SAMPLE_DEFAULTS = {
     "SAMPLE_RATE_LIMIT": "1000/second",
     "SAMPLE_PROVIDER_LATENCY_MS": "0",
     "SAMPLE_PROVIDER_LOG": None,
+    "SAMPLE_WEBHOOK_LATENCY_MS": "0",
 }
 
 
@@ -52,5 +54,6 @@ def create_app() -> Flask:
     idem.init_app(app)
     provider.init_app(app, url)
     app.register_blueprint(bp)
+    app.register_blueprint(webhooks_bp)
     app.cli.add_command(init_db_command)
     return app

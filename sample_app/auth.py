@@ -1,9 +1,12 @@
-"""Bearer API keys: who is calling, which decides the tenant and the rate-limit bucket."""
+"""Who is calling, which decides the tenant and the rate-limit bucket: Bearer API keys, and
+the provider's signature on its webhooks."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
+import time
 import typing as t
 
 from flask import g, request
@@ -17,14 +20,25 @@ R = t.TypeVar("R")
 API_KEYS = {"sk_test_alpha": "alpha", "sk_test_beta": "beta", "sk_test_alpha_read": "alpha"}
 #: What each API key may do (keys not listed may do everything).
 PERMISSIONS = {"sk_test_alpha_read": frozenset({"payments:read"})}
+#: The provider's webhook signing secret of each merchant account -> tenant. The secret that
+#: verifies a delivery's signature names whose event it is.
+WEBHOOK_SECRETS = {"whsec_alpha": "alpha", "whsec_beta": "beta"}
+SIGNATURE_HEADER = "Provider-Signature"
+#: Deliveries signed longer ago than this are refused (replayed captures of old requests).
+SIGNATURE_TOLERANCE = 300
+#: The endpoint that authenticates by signature instead of an API key.
+WEBHOOK_ENDPOINT = "webhooks.provider_event"
 
 
 def authenticate() -> None:
     """``before_request`` hook: refuse unknown callers with 401 before anything else runs.
 
     Registered before the rate limiter and the idempotency hooks, because an idempotency key
-    is no credential: an unauthenticated request must never claim, replay or count.
+    is no credential: an unauthenticated request must never claim, replay or count. The
+    provider's webhooks are authenticated by their signature instead, also before the claim.
     """
+    if request.endpoint == WEBHOOK_ENDPOINT:
+        return _authenticate_webhook()
     credentials = request.authorization
     token = credentials.token if credentials and credentials.type == "bearer" else None
     tenant = API_KEYS.get(token) if token else None
@@ -34,6 +48,36 @@ def authenticate() -> None:
     g.permissions = PERMISSIONS.get(token)
     # The rate limiter stores its bucket names in the database: never the secret itself.
     g.api_key_id = hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
+    """The provider's ``Provider-Signature`` header for ``body``:
+    ``t=<unix time>,v1=<hex HMAC-SHA256(secret, "<t>." + body)>``."""
+    timestamp = int(time.time()) if timestamp is None else timestamp
+    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return f"t={timestamp},v1={mac.hexdigest()}"
+
+
+def _authenticate_webhook() -> None:
+    """Refuse a delivery whose signature no account's secret verifies (401); otherwise the
+    account is the tenant. Several ``v1=`` values may come during a secret rotation."""
+    fields = [part.partition("=") for part in request.headers.get(SIGNATURE_HEADER, "").split(",")]
+    stamps = [value for name, _, value in fields if name.strip() == "t"]
+    signatures = [value.strip() for name, _, value in fields if name.strip() == "v1"]
+    if len(stamps) != 1 or not stamps[0].strip().isdigit() or not signatures:
+        raise problems.invalid_signature()
+    timestamp = int(stamps[0])
+    if abs(time.time() - timestamp) > SIGNATURE_TOLERANCE:
+        raise problems.invalid_signature()
+    body = request.get_data(cache=True)
+    for secret, account in WEBHOOK_SECRETS.items():
+        expected = sign(secret, body, timestamp).rpartition("v1=")[2]
+        if any(hmac.compare_digest(expected, given) for given in signatures):
+            g.tenant = account
+            g.permissions = frozenset({"webhooks:receive"})
+            g.api_key_id = hashlib.sha256(f"webhook {account}".encode()).hexdigest()[:16]
+            return
+    raise problems.invalid_signature()
 
 
 def current_tenant() -> str | None:

@@ -53,6 +53,21 @@ refunds = sa.Table(
     sa.Index(None, "payment_id"),
 )
 
+#: One row per provider event received (the effect of ``POST /v1/webhooks/provider``). No unique
+#: constraint on the event id, on purpose: the idempotency claim of the event id is what
+#: deduplicates, and the tests count these rows to show it. The delivery id is diagnostic
+#: only: the first delivery's is kept.
+webhook_events = sa.Table(
+    "webhook_events",
+    metadata,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("tenant", sa.String(255), nullable=False),
+    sa.Column("event_id", sa.String(255), nullable=False, index=True),
+    sa.Column("type", sa.String(64), nullable=False),
+    sa.Column("delivery_id", sa.String(255), nullable=True),
+    sa.Column("received", sa.BigInteger, nullable=False),
+)
+
 #: The fake payment provider's ledger. It belongs to the "external service": only
 #: :mod:`sample_app.provider` touches it, through its own engine.
 provider_charges = sa.Table(

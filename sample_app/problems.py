@@ -66,6 +66,16 @@ def refund_exceeds_payment(remaining: int) -> Problem:
     )
 
 
+def invalid_signature() -> Problem:
+    return Problem(
+        "The webhook's Provider-Signature header is missing, too old, or verified by no "
+        "account's signing secret.",
+        problem="invalid-signature",
+        status=401,
+        title="Invalid signature",
+    )
+
+
 def forbidden(scope: str) -> Problem:
     return Problem(
         f"This API key may not do this: it lacks the {scope!r} permission.",

@@ -99,6 +99,18 @@ class Provider:
             time.sleep(self.latency)
         return charge
 
+    def charges_between(self, start: int, end: int) -> list[sa.Row[t.Any]]:
+        """Every merchant's charges created in ``[start, end)`` (unix seconds): the
+        provider's "list charges" API, which the next-day audit reads."""
+        with self.engine.connect() as conn:
+            return list(
+                conn.execute(
+                    sa.select(provider_charges).where(
+                        provider_charges.c.created >= start, provider_charges.c.created < end
+                    )
+                )
+            )
+
     def find(self, *, tenant: str, downstream_key: str) -> Charge | None:
         """The charge made with ``downstream_key``, if any (the provider's lookup API)."""
         with self.engine.connect() as conn:

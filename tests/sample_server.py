@@ -46,6 +46,17 @@ def migrate(url: str) -> None:
         raise RuntimeError(f"make migrate failed:\n{done.stdout}\n{done.stderr[-3000:]}")
 
 
+@contextlib.contextmanager
+def served(url: str, workdir: Path, **kwargs: t.Any) -> t.Iterator[SampleServer]:
+    """``make migrate`` on ``url``, then a server (``SampleServer`` arguments) for the block."""
+    migrate(url)
+    server = SampleServer(url, workdir, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def spelled(url: str, driver: str) -> str:
     """``url`` with the driver spelling a deployment might use (``postgresql``, ...)."""
     return sa.make_url(url).set(drivername=driver).render_as_string(hide_password=False)

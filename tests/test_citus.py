@@ -19,6 +19,7 @@ every primitive runs):
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import functools
 import hashlib
 import json
@@ -41,7 +42,11 @@ FP = hashlib.sha256(b"request").digest()
 RESPONSE = StoredResponse(201, (("Content-Type", "application/json"),), b'{"id":1}')
 TABLE = "idempotency_keys"
 #: Statements allowed to span tenants: none of them runs while serving a request.
-CROSS_TENANT = {"stuck": "operators' listing", "maintain": "partition upkeep"}
+CROSS_TENANT = {
+    "stuck": "operators' listing",
+    "maintain": "partition upkeep",
+    "created_between": "the next-day audit",
+}
 
 
 class Captured(t.NamedTuple):
@@ -115,6 +120,8 @@ def exercise(store: SQLStore) -> None:
         connection.commit()
     finally:
         connection.close()
+    day = first.record.created_at
+    assert store.created_between(day, day + dt.timedelta(days=1), endpoints=["POST /p"])
     store.evict(a)
     store.maintain(ahead=7, dry_run=True)
 

@@ -11,18 +11,15 @@ import pytest
 from flask_idem.client import IdempotentClient, KeyReused, RetryPolicy
 
 from .faultproxy import FaultProxy
-from .sample_server import SampleServer, migrate
+from .sample_server import SampleServer, served
 
 
 @pytest.fixture(scope="module")
 def server(
     fresh_pg_database: t.Callable[[], str], tmp_path_factory: pytest.TempPathFactory
 ) -> t.Iterator[SampleServer]:
-    url = fresh_pg_database()
-    migrate(url)
-    sample = SampleServer(url, tmp_path_factory.mktemp("client"))
-    yield sample
-    sample.stop()
+    with served(fresh_pg_database(), tmp_path_factory.mktemp("client")) as sample:
+        yield sample
 
 
 def _client(port: int) -> IdempotentClient:

@@ -120,6 +120,14 @@ class Store(abc.ABC):
         reconcilers)."""
 
     @abc.abstractmethod
+    def created_between(
+        self, start: dt.datetime, end: dt.datetime, *, endpoints: t.Collection[str]
+    ) -> list[Record]:
+        """Records of ``endpoints`` created in ``[start, end)``, live or expired but not yet
+        purged, oldest first, across tenants, without their stored responses (for the
+        next-day audit, :mod:`flask_idem.audit`)."""
+
+    @abc.abstractmethod
     def resolve(
         self,
         scope: Scope,

@@ -1,0 +1,168 @@
+"""One execution of an operation, whoever runs it: a protected view (``flow``) or a job (``jobs``).
+
+Nothing here reads the request; an app context is enough. Both callers take the same decisions
+from here, so a view and a job share one outcome model:
+
+:func:`classify`  what a claim that found a record leads to (refuse, replay, wait, re-run);
+:func:`own`       the claim is ours: watch its lease;
+:func:`store_result`  record the result, committed with the business transaction;
+:func:`give_up`   roll the business transaction back and release the key only when the attempt
+                  provably committed nothing (it declared its effects and had not yet declared
+                  contact with the outside world), else mark it ``unknown``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import typing as t
+
+import sqlalchemy as sa
+from flask import current_app
+
+from . import signals
+from .errors import StoreUnavailable
+from .keys import key_hash
+from .options import Recovery
+from .record import ClaimResult, Record, Scope, State, StoredResponse
+from .state import AppState, RequestState
+from .store.sql import translate_errors
+
+log = logging.getLogger("flask_idem")
+
+
+class Found(enum.Enum):
+    """What an existing record means for a new attempt with the same key."""
+
+    #: The key came back with another request: refuse (a caller bug, never a retry).
+    MISMATCH = "mismatch"
+    #: The operation completed: replay its stored result.
+    COMPLETED = "completed"
+    #: The operation ran but its result could not be stored: refuse, never run it again.
+    UNSTORED = "unstored"
+    #: Its owner is alive (the lease is held): wait, or tell the caller to retry later.
+    RUNNING = "running"
+    #: Nobody owns the outcome and ``recovery="fail"``: wait for a reconciler or an operator.
+    PENDING = "pending"
+    #: Nobody owns the outcome and the attempt may run it again as the same operation (a
+    #: ``reexecute`` view or job, or a record an operator reopened): take it over.
+    RERUN = "rerun"
+
+
+def classify(record: Record, digest: bytes, recovery: Recovery) -> Found:
+    """The decision for an attempt whose claim found ``record``."""
+    if record.fingerprint != digest:
+        return Found.MISMATCH
+    if record.state is State.COMPLETED:
+        return Found.COMPLETED
+    if record.state is State.UNSTORED:
+        return Found.UNSTORED
+    if record.state is State.IN_PROGRESS and not record.lease_expired:
+        return Found.RUNNING
+    # Unknown, reopened, or in progress past the lease: nobody owns the outcome.
+    if record.state is not State.REOPENED and recovery != "reexecute":
+        return Found.PENDING
+    return Found.RERUN
+
+
+def take_over(app_state: AppState, record: Record, lease: float) -> ClaimResult | None:
+    """Claim a :attr:`Found.RERUN` record: one winner, the same row, so the same downstream
+    keys. None for a loser (it finds the winner's record in progress on its next claim)."""
+    assert record.claim_token is not None
+    return app_state.store.take_over(record.scope, record.claim_token, lease=lease)
+
+
+def own(app_state: AppState, state: RequestState, claim: ClaimResult, lease: float) -> None:
+    """The attempt holds the key: remember the token and keep renewing the lease."""
+    assert state.scope is not None
+    state.token = claim.token
+    state.record = claim.record
+    state.watch = app_state.keeper.watch(claim.record, lease)
+    emit(signals.claimed, state.scope)
+
+
+class CommitUncertain(StoreUnavailable):
+    """The COMMIT of the result failed: it may have gone through before the answer was lost."""
+
+
+def store_result(app_state: AppState, state: RequestState, snapshot: StoredResponse | None) -> bool:
+    """Complete the record with ``snapshot`` (None: ran, not storable) and commit the business
+    transaction with it, or roll that back when the token lost the record to a takeover.
+
+    :returns: False when the lease was lost (the attempt's business writes rolled back).
+    :raises StoreUnavailable: nothing was committed; the caller gives up.
+    :raises CommitUncertain: the commit itself failed and may have gone through.
+    """
+    assert state.scope is not None and state.token is not None
+    stored = app_state.store.complete(
+        state.scope,
+        state.token,
+        snapshot,
+        connection=state.connection,
+        created_at=created_at(state),
+    )
+    if state.connection is not None:
+        if stored:
+            try:
+                state.connection.commit()
+            except sa.exc.SQLAlchemyError as exc:
+                raise CommitUncertain(f"commit failed: {type(exc).__name__}") from exc
+        else:
+            with translate_errors():
+                state.connection.rollback()
+    state.finished = True
+    return stored
+
+
+def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
+    """Roll the business transaction back; release the key only when the attempt provably
+    committed nothing, else mark it ``unknown``."""
+    assert state.scope is not None and state.token is not None
+    state.finished = True
+    stop_watching(app_state, state)
+    rollback(state)
+    store = app_state.store
+    digest = key_hash(state.scope)
+    try:
+        if state.releasable:
+            store.release(state.scope, state.token, created_at=created_at(state))
+            emit(signals.released, state.scope, reason=reason)
+        else:
+            store.mark_unknown(state.scope, state.token, created_at=created_at(state))
+            emit(signals.unknown, state.scope, reason=reason)
+            log.warning("outcome unknown: %s", reason, extra={"key_hash": digest})
+    except StoreUnavailable:
+        # The lease runs out on its own; the record then counts as unknown, never free.
+        log.error("could not give the key up: %s", reason, extra={"key_hash": digest})
+
+
+def emit(signal: t.Any, scope: Scope, **extra: t.Any) -> None:
+    """Send a signal with the app as sender and the scope as tenant, endpoint and key hash."""
+    if not signal.receivers:
+        return  # the common case: nobody listens, so skip hashing the key
+    signal.send(
+        current_app._get_current_object(),  # type: ignore[attr-defined]
+        tenant=scope.tenant,
+        endpoint=scope.endpoint,
+        key_hash=key_hash(scope),
+        **extra,
+    )
+
+
+def created_at(state: RequestState) -> t.Any:
+    # Tells PostgreSQL which partition holds the record (see ``Store.complete``).
+    return None if state.record is None else state.record.created_at
+
+
+def stop_watching(app_state: AppState, state: RequestState) -> None:
+    if state.watch is not None:
+        app_state.keeper.unwatch(state.watch)
+        state.watch = None
+
+
+def rollback(state: RequestState) -> None:
+    if state.connection is not None:
+        try:
+            state.connection.rollback()
+        except sa.exc.SQLAlchemyError:
+            log.warning("rollback of the business transaction failed", exc_info=True)

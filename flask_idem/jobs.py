@@ -1,0 +1,298 @@
+"""Background jobs with the outcome model of a protected view: ``@idem.job(...)``.
+
+A queue delivers a message at least once: a worker that dies between its write and its ack
+gets the message delivered again, to itself or to another worker. A function under
+``@idem.job(name, key=..., tenant=...)`` claims the scope ``(tenant, "JOB <name>", key)``
+before it runs, stores its return value as JSON together with its business transaction
+(``idem.connection()``), and answers a redelivered message with that value instead of a second
+run. It needs an app context, not a request: a worker process pushes ``app.app_context()``.
+
+The decisions are the view's (:mod:`flask_idem.attempt`); only the answers differ:
+
+=============================================  =========================  ======================
+How the run ended                              The key afterwards         A redelivery gets
+=============================================  =========================  ======================
+returned a JSON value                          completed (result and      the stored value; the
+                                               business rows commit       function does not run
+                                               together)
+raised (any exception, ``SystemExit``,         released if releasable,    released: a fresh run;
+``KeyboardInterrupt``)                         else ``unknown``; the      ``unknown``: see below
+                                               business txn rolls back
+killed (kill -9, OOM)                          in progress, then stuck    ``JobInProgress``, then
+                                               when its lease runs out    as ``unknown``
+still running (its lease is renewed)           unchanged                  ``JobInProgress``
+returned something not JSON, or larger         ``unstored``               ``JobResultNotStored``
+than ``IDEMPOTENCY_MAX_BODY``
+lost its lease to a re-run                     the taker's                ``JobInProgress`` (the
+                                                                          first run raises it)
+same key with other arguments                  unchanged                  ``JobKeyReused``
+the store fails at the claim                   nothing                    ``StoreUnavailable``
+=============================================  =========================  ======================
+
+"Releasable" is the view's rule: the job declares its effects (``declares_effects=True``) and
+had not yet called ``idem.downstream_key()`` or ``idem.side_effect()``. An ``unknown`` record
+(or one in progress past its lease) is run again by a redelivery only under
+``recovery="reexecute"``, as a fenced takeover of the same record, so with the same downstream
+keys; under ``recovery="fail"`` a redelivery raises ``JobOutcomePending`` until a reconciler
+(``@idem.reconciler(job_function)``) or an operator (``flask idem release``) settles it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import typing as t
+
+from flask import current_app, has_app_context
+
+from . import signals
+from .attempt import (
+    Found,
+    classify,
+    emit,
+    give_up,
+    own,
+    stop_watching,
+    store_result,
+    take_over,
+)
+from .errors import (
+    ConfigurationError,
+    JobError,
+    JobInProgress,
+    JobKeyReused,
+    JobOutcomePending,
+    JobResultNotStored,
+    JobResultUnreadable,
+    StoreUnavailable,
+)
+from .fingerprint import fingerprint as canonical_fingerprint
+from .keys import check_key, key_hash
+from .options import JobArgument, JobOptions
+from .record import Record, Scope, StoredResponse
+from .state import AppState, RequestState
+
+P = t.ParamSpec("P")
+R = t.TypeVar("R")
+
+#: Marks a job function (the wrapper) with its :class:`JobOptions`.
+JOB_ATTRIBUTE = "__idempotency_job__"
+#: A job's result is stored like a JSON response, so that reconcilers settle job records with
+#: ``Verdict.happened(value)`` as they settle views' records.
+_RESULT_HEADERS = (("Content-Type", "application/json"),)
+
+log = logging.getLogger("flask_idem")
+
+#: What a redelivery raises for each decision that does not replay or run (``Found``).
+_REFUSALS: dict[Found, tuple[type[JobError], str]] = {
+    Found.MISMATCH: (JobKeyReused, "was already used with other arguments"),
+    Found.UNSTORED: (JobResultNotStored, "ran, but its result was not storable"),
+    Found.RUNNING: (JobInProgress, "is being run by another worker"),
+    Found.PENDING: (JobOutcomePending, "may have run but its outcome is unknown"),
+}
+
+
+def job(options: JobOptions) -> t.Callable[[t.Callable[P, R]], t.Callable[P, R]]:
+    """The decorator behind :meth:`Idempotency.job <flask_idem.Idempotency.job>`."""
+
+    def decorate(function: t.Callable[P, R]) -> t.Callable[P, R]:
+        signature = inspect.signature(function)
+        for argument in (options.key, options.tenant):
+            if isinstance(argument, str) and argument not in signature.parameters:
+                raise ConfigurationError(
+                    f"job {options.name!r}: {function.__name__}() has no parameter {argument!r}"
+                )
+
+        @functools.wraps(function)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            if not has_app_context():
+                raise RuntimeError(
+                    f"job {options.name!r} needs an app context: run it inside "
+                    "app.app_context() (see docs/jobs.md for Celery and RQ)"
+                )
+            arguments = signature.bind(*args, **kwargs)
+            arguments.apply_defaults()
+            return t.cast(R, _run(options, function, arguments))
+
+        setattr(run, JOB_ATTRIBUTE, options)
+        return run
+
+    return decorate
+
+
+def _run(
+    options: JobOptions, function: t.Callable[..., t.Any], call: inspect.BoundArguments
+) -> t.Any:
+    app_state = AppState.current()
+    scope = Scope(
+        _tenant(options, call), options.endpoint, check_key(str(_value(options.key, call)))
+    )
+    # A job run from a view or from another job keeps the outer state for afterwards.
+    outer = RequestState.current()
+    state = RequestState(scope, options)
+    state.attach()
+    try:
+        stored = _claim(app_state, state, _fingerprint(options, call))
+        if stored is not None:
+            return _replayed(stored)
+        return _execute(app_state, state, current_app.ensure_sync(function), call)
+    finally:
+        if state.connection is not None:
+            state.connection.close()
+        if outer is None:
+            RequestState.detach()
+        else:
+            outer.attach()
+
+
+def _claim(app_state: AppState, state: RequestState, digest: bytes) -> Record | None:
+    """Take the message's key, or: the completed record to replay (returned), or a refusal
+    (raised). None when the job may run."""
+    assert state.scope is not None and isinstance(state.options, JobOptions)
+    options = state.options
+    lease = options.lease or app_state.settings.lease
+    try:
+        claim = app_state.store.claim(
+            state.scope, digest, ttl=options.ttl or app_state.settings.ttl, lease=lease
+        )
+        if not claim.claimed:
+            record = claim.record
+            found = classify(record, digest, options.recovery)
+            if found is Found.COMPLETED:
+                if record.unreadable is not None:
+                    # Never a garbage result, never a second run: wait for the key to return.
+                    log.error(
+                        "stored job result unreadable: %s",
+                        record.unreadable,
+                        extra={"key_hash": key_hash(state.scope)},
+                    )
+                    raise JobResultUnreadable(
+                        f"job {options.name} ran, but its stored result cannot be decrypted "
+                        f"here ({record.unreadable}); redeliver once the key is configured"
+                    )
+                return record
+            taken = take_over(app_state, record, lease) if found is Found.RERUN else None
+            if taken is None:
+                raise _refusal(Found.RUNNING if found is Found.RERUN else found, record)
+            claim = taken
+    except StoreUnavailable:
+        log.error("idempotency store unavailable", extra={"key_hash": key_hash(state.scope)})
+        raise
+    own(app_state, state, claim, lease)
+    return None
+
+
+def _refusal(found: Found, record: Record) -> JobError:
+    error, what = _REFUSALS[found]
+    if found is Found.MISMATCH:
+        emit(signals.mismatch, record.scope)
+    elif found is Found.RUNNING:
+        emit(signals.conflict, record.scope)
+    return error(
+        f"{record.scope.endpoint} message {key_hash(record.scope)} {what}",
+        retry_after=max(1.0, record.lease_remaining),
+    )
+
+
+def _replayed(record: Record) -> t.Any:
+    assert record.response is not None
+    emit(signals.replayed, record.scope, status=record.response.status)
+    try:
+        return json.loads(record.response.body)
+    except ValueError:
+        # Only a reconciler's verdict can store a body that is no JSON.
+        raise JobResultNotStored(
+            f"{record.scope.endpoint} message {key_hash(record.scope)} completed with a "
+            "result that is not JSON"
+        ) from None
+
+
+def _execute(
+    app_state: AppState,
+    state: RequestState,
+    function: t.Callable[..., t.Any],
+    call: inspect.BoundArguments,
+) -> t.Any:
+    assert state.scope is not None
+    try:
+        value = function(*call.args, **call.kwargs)
+    except BaseException:
+        # Also SystemExit and KeyboardInterrupt: a worker told to stop mid-job.
+        state.crashed = True
+        give_up(app_state, state, "the job raised an exception")
+        raise
+    stop_watching(app_state, state)
+    snapshot = _snapshot(app_state, value)
+    digest = key_hash(state.scope)
+    try:
+        stored = store_result(app_state, state, snapshot)
+    except StoreUnavailable:
+        log.error("could not store the job's result", extra={"key_hash": digest})
+        if state.connection is None:
+            # Its effects happened outside our transaction: the key stays taken.
+            state.contacted = True
+            give_up(app_state, state, "the store failed after the job ran")
+            return value
+        give_up(app_state, state, "the store failed before the commit")
+        raise
+    if not stored:
+        log.warning("lease lost before completion", extra={"key_hash": digest})
+        raise JobInProgress(
+            f"{state.scope.endpoint} message {digest} lost its lease to a re-run; its writes "
+            "were rolled back"
+        )
+    emit(signals.completed, state.scope, status=200, stored=snapshot is not None)
+    if snapshot is None:
+        log.warning(
+            "job result not stored (not JSON, or larger than IDEMPOTENCY_MAX_BODY); "
+            "redeliveries get JobResultNotStored",
+            extra={"key_hash": digest},
+        )
+    return value
+
+
+def _snapshot(app_state: AppState, value: t.Any) -> StoredResponse | None:
+    """The job's return value as stored JSON (never pickle), or None when it cannot be."""
+    try:
+        body = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError):
+        return None
+    if len(body) > app_state.settings.max_body:
+        return None
+    return StoredResponse(200, _RESULT_HEADERS, body)
+
+
+def _value(argument: JobArgument, call: inspect.BoundArguments) -> t.Any:
+    if isinstance(argument, str):
+        return call.arguments[argument]
+    return argument(*call.args, **call.kwargs)
+
+
+def _tenant(options: JobOptions, call: inspect.BoundArguments) -> str:
+    tenant = _value(options.tenant, call)
+    if not tenant:
+        raise ConfigurationError(
+            f"job {options.name!r} resolved no tenant: a job's key is scoped by its tenant, "
+            "never by a global namespace"
+        )
+    return str(tenant)
+
+
+def _fingerprint(options: JobOptions, call: inspect.BoundArguments) -> bytes:
+    """The job's arguments compared like a JSON body (``4200`` equals ``4200.0``)."""
+    if options.fingerprint is not None:
+        value = options.fingerprint(*call.args, **call.kwargs)
+        body = value.encode() if isinstance(value, str) else bytes(value)
+        media_type = "application/octet-stream"
+    else:
+        try:
+            body = json.dumps(call.arguments, allow_nan=False).encode()
+        except (TypeError, ValueError):
+            raise ConfigurationError(
+                f"job {options.name!r}: its arguments are not JSON, so they cannot be "
+                "compared between deliveries; pass fingerprint="
+            ) from None
+        media_type = "application/json"
+    return canonical_fingerprint("JOB", options.name, {}, (), body, media_type)

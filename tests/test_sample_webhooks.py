@@ -1,0 +1,140 @@
+"""The sample app's webhook receiver under gunicorn, on PostgreSQL and SQLite: the provider
+delivers one event several times, concurrently and after a worker was killed mid-event, and
+the receiver records it once. Signatures are computed here, as the provider would."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import hmac
+import json
+import os
+import signal
+import time
+import typing as t
+import uuid
+
+import pytest
+
+from .sample_server import Reply, SampleServer
+from .test_sample_app import assert_problem, in_background, new_customer, payment, wait_for
+from .test_sample_outcomes import _database
+
+pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
+
+PATH = "/v1/webhooks/provider"
+LATENCY_MS = 800
+LEASE = 2
+SECRETS = {"alpha": "whsec_alpha", "beta": "whsec_beta"}
+
+
+@pytest.fixture(scope="module", params=["postgresql", "sqlite"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> t.Iterator[SampleServer]:
+    """Each new event takes 0.8 s to handle, so that a worker can be killed in the middle."""
+    workdir = tmp_path_factory.mktemp(f"webhooks-{request.param}")
+    server = SampleServer(
+        _database(request, workdir),
+        workdir,
+        threads=4,
+        SAMPLE_WEBHOOK_LATENCY_MS=str(LATENCY_MS),
+        FLASK_IDEMPOTENCY_LEASE=str(LEASE),
+    )
+    yield server
+    server.stop()
+
+
+def new_event(kind: str = "charge.succeeded", **data: t.Any) -> dict[str, t.Any]:
+    return {"id": f"evt_{uuid.uuid4().hex}", "type": kind, "data": data}
+
+
+def deliver(server: SampleServer, event: t.Any, account: str = "alpha", **kwargs: t.Any) -> Reply:
+    """One delivery attempt: its own delivery id and a fresh signature, as providers send."""
+    body = json.dumps(event).encode()
+    stamp = int(time.time())
+    mac = hmac.new(SECRETS[account].encode(), f"{stamp}.".encode() + body, hashlib.sha256)
+    headers = {
+        "Provider-Signature": f"t={stamp},v1={mac.hexdigest()}",
+        "Provider-Delivery": f"dlv_{uuid.uuid4().hex[:12]}",
+        **kwargs.pop("headers", {}),
+    }
+    return server.request("POST", PATH, api_key=None, raw=body, headers=headers, **kwargs)
+
+
+def received(server: SampleServer, event: dict[str, t.Any]) -> list[t.Any]:
+    return server.sql(
+        "SELECT tenant, delivery_id FROM webhook_events WHERE event_id = :e", e=event["id"]
+    )
+
+
+def test_repeated_deliveries_are_one_event(server: SampleServer) -> None:
+    event = new_event()
+    first = deliver(server, event)
+    assert first.status == 200 and first.json() == {"received": event["id"], "type": event["type"]}
+    for _ in range(3):
+        again = deliver(server, event)
+        assert again.status == 200 and again.headers["Idempotent-Replayed"] == "true"
+        assert again.body == first.body
+    rows = received(server, event)
+    assert len(rows) == 1 and rows[0].tenant == "alpha"
+
+
+def test_concurrent_deliveries_are_one_event(server: SampleServer) -> None:
+    event = new_event()
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        statuses = sorted(r.status for r in pool.map(lambda _: deliver(server, event), range(6)))
+    assert set(statuses) <= {200, 409} and 200 in statuses, statuses
+    assert deliver(server, event).status == 200
+    assert len(received(server, event)) == 1
+
+
+def test_a_worker_killed_mid_event_is_redelivered_once(server: SampleServer) -> None:
+    event = new_event()
+    connection = server.connection()
+    connection.connect()
+    assert connection.sock is not None
+    client_port = connection.sock.getsockname()[1]
+    thread, _ = in_background(lambda: deliver(server, event, connection=connection))
+    state = "SELECT state FROM idempotency_keys WHERE key = :k"
+    wait_for(lambda: server.scalar(state, k=event["id"]) == "in_progress")
+    worker = server.worker_serving(client_port)
+    assert worker is not None and worker != server.process.pid
+    os.kill(worker, signal.SIGKILL)
+    thread.join()
+    retry = deliver(server, event)  # the lease is still held by the dead worker
+    assert_problem(retry, 409, "request-in-progress")
+    deadline = time.monotonic() + LEASE + 10
+    while retry.status == 409 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        retry = deliver(server, event)
+    assert retry.status == 200 and "Idempotent-Replayed" not in retry.headers
+    assert len(received(server, event)) == 1, "the killed attempt committed nothing"
+
+
+def test_signatures_are_checked_before_the_claim_and_name_the_tenant(
+    server: SampleServer,
+) -> None:
+    event = new_event()
+    forged = deliver(server, event, headers={"Provider-Signature": "t=1,v1=00"})
+    assert_problem(forged, 401, "invalid-signature")
+    unsigned = server.request("POST", PATH, api_key=None, json_body=event)
+    assert_problem(unsigned, 401, "invalid-signature")
+    bearer = server.request("POST", PATH, json_body=event)  # an API key is no signature
+    assert_problem(bearer, 401, "invalid-signature")
+    assert server.scalar("SELECT count(*) FROM idempotency_keys WHERE key = :k", k=event["id"]) == 0
+    assert deliver(server, event, account="beta").status == 200
+    assert deliver(server, event, account="alpha").headers.get("Idempotent-Replayed") is None
+    assert sorted(row.tenant for row in received(server, event)) == ["alpha", "beta"]
+    missing = deliver(server, {"type": "charge.refunded"})
+    assert_problem(missing, 400, "idempotency-key-missing")
+
+
+def test_a_refund_event_marks_the_payment_refunded_once(server: SampleServer) -> None:
+    paid = server.pay(str(uuid.uuid4()), payment(new_customer())).json()
+    event = new_event("charge.refunded", charge=paid["provider_charge_id"])
+    assert deliver(server, event).status == 200
+    assert deliver(server, event).headers["Idempotent-Replayed"] == "true"
+    shown = server.request("GET", f"/v1/payments/{paid['id']}").json()
+    assert shown["status"] == "refunded"
+    assert len(received(server, event)) == 1
