@@ -413,6 +413,10 @@ def response_snapshot(settings: Settings, response: Response) -> StoredResponse 
         for name, value in response.headers.items()
         if name.lower() in settings.stored_headers
     )
+    if any("\x00" in value for _, value in headers):
+        # No database stores a NUL in JSON text (PostgreSQL's jsonb refuses it, and would log
+        # the header in its error context): such an answer is marked unstored instead.
+        return None
     return StoredResponse(response.status_code, headers, body)
 
 

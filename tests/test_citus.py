@@ -442,6 +442,19 @@ def test_citus_command_is_listed(app_factory: Factory) -> None:
     assert "citus" in result.output
 
 
+@pytest.mark.parametrize(
+    "name", ["payments\nDROP TABLE idempotency_keys; --", "a b", "x;y", "t\x00", "1abc", ""]
+)
+def test_citus_refuses_what_is_not_a_table_name(
+    app_factory: Factory, store: SQLStore, name: str
+) -> None:
+    app, _, _ = app_factory()
+    result = _citus(app, "--dry-run", "--colocate-with", name)
+    assert result.exit_code == 1, result.output
+    assert "must be a table name" in result.output
+    assert "DROP TABLE" not in result.stdout
+
+
 def test_rendered_steps_quote_their_values() -> None:
     step = Step("why", "SELECT f(:a, x => :b)", {"a": "it's", "b": "t"})
     assert step.rendered() == "SELECT f('it''s', x => 't');"
