@@ -113,6 +113,14 @@ def exercise(store: SQLStore) -> None:
     token = store.claim(b, FP, ttl=600, lease=30).token
     store.mark_unknown(b, token)
     assert store.reopen(b, token=token)
+    atomic = store.begin()
+    try:
+        claimed = store.claim_atomic(atomic, Scope("tenant-a", "POST /p", "atomic"), FP, ttl=600)
+        assert claimed is not None and claimed.claimed
+        store.complete(claimed.record.scope, claimed.token, RESPONSE, connection=atomic)
+        atomic.commit()
+    finally:
+        atomic.close()
     token = store.claim(e, FP, ttl=600, lease=30).token
     connection = store.begin()
     try:

@@ -69,6 +69,7 @@ _CLAIM = (
     "SELECT * FROM idempotency_claim(%(tenant)s, %(endpoint)s, %(key)s, %(fingerprint)s, "
     "%(token)s, %(ttl)s, %(lease)s)"
 )
+_CLAIM_ATOMIC = _CLAIM.replace("idempotency_claim(", "idempotency_claim_atomic(")
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
 # Live as in idempotency_claim() (migration 0002): a TTL from the claim, and a TTL from the
@@ -136,6 +137,24 @@ class PostgresStore(SQLStore):
         }
         with translate_errors(), self.connect() as conn:
             row = conn.exec_driver_sql(_CLAIM, parameters).one()
+        return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
+
+    def claim_atomic(
+        self, connection: sa.Connection, scope: Scope, fingerprint: bytes, *, ttl: float
+    ) -> ClaimResult | None:
+        parameters = {
+            "tenant": scope.tenant,
+            "endpoint": scope.endpoint,
+            "key": scope.key,
+            "fingerprint": fingerprint,
+            "token": new_token(),
+            "ttl": float(ttl),
+            "lease": 0.0,
+        }
+        with translate_errors():
+            row = connection.exec_driver_sql(_CLAIM_ATOMIC, parameters).first()
+        if row is None:
+            return None  # the scope's lock is held: a duplicate is running
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
