@@ -53,6 +53,11 @@ operator's release (``reopened``) lets the next retry re-run it, with the same d
 
 A record stays live for its TTL from its claim and for its TTL from the end of its request, so
 an answer that took longer than the TTL still replays for a whole TTL.
+
+An *atomic* view (``@idem.idempotent(atomic=True)``) claims inside its business transaction
+(``_claim_atomic``): the claim, the business rows and the answer commit once, and every failure
+of the table above rolls all of it back, so the key is simply free again (there is no lease,
+nothing is ever ``unknown``). A duplicate that finds the scope locked answers 409 at once.
 """
 
 from __future__ import annotations
