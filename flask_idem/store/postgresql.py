@@ -89,6 +89,20 @@ PURGE_BATCH = 5000
 MAINTENANCE_LOCK_TIMEOUT = "200ms"
 
 
+def _claim_parameters(
+    scope: Scope, fingerprint: bytes, ttl: float, lease: float
+) -> dict[str, t.Any]:
+    return {
+        "tenant": scope.tenant,
+        "endpoint": scope.endpoint,
+        "key": scope.key,
+        "fingerprint": fingerprint,
+        "token": new_token(),
+        "ttl": float(ttl),
+        "lease": float(lease),
+    }
+
+
 class PostgresStore(SQLStore):
     """Store on PostgreSQL >= 13 with the schema of ``alembic upgrade head``."""
 
@@ -126,15 +140,7 @@ class PostgresStore(SQLStore):
                     dbapi_connection.autocommit = False
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
-        parameters = {
-            "tenant": scope.tenant,
-            "endpoint": scope.endpoint,
-            "key": scope.key,
-            "fingerprint": fingerprint,
-            "token": new_token(),
-            "ttl": float(ttl),
-            "lease": float(lease),
-        }
+        parameters = _claim_parameters(scope, fingerprint, ttl, lease)
         with translate_errors(), self.connect() as conn:
             row = conn.exec_driver_sql(_CLAIM, parameters).one()
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
@@ -142,15 +148,7 @@ class PostgresStore(SQLStore):
     def claim_atomic(
         self, connection: sa.Connection, scope: Scope, fingerprint: bytes, *, ttl: float
     ) -> ClaimResult | None:
-        parameters = {
-            "tenant": scope.tenant,
-            "endpoint": scope.endpoint,
-            "key": scope.key,
-            "fingerprint": fingerprint,
-            "token": new_token(),
-            "ttl": float(ttl),
-            "lease": 0.0,
-        }
+        parameters = _claim_parameters(scope, fingerprint, ttl, lease=0)
         with translate_errors():
             row = connection.exec_driver_sql(_CLAIM_ATOMIC, parameters).first()
         if row is None:
