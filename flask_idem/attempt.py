@@ -103,6 +103,7 @@ def store_result(app_state: AppState, state: RequestState, snapshot: StoredRespo
     )
     if state.connection is not None:
         if stored:
+            state.finished = True  # from here the commit is ours (see flow's atomic guard)
             try:
                 state.connection.commit()
             except sa.exc.SQLAlchemyError as exc:

@@ -68,6 +68,7 @@ import logging
 import time
 import typing as t
 
+import sqlalchemy as sa
 from flask import current_app, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
@@ -261,6 +262,7 @@ def _claim_atomic(
         try:
             if state.connection is None:
                 state.connection = store.begin()
+                sa.event.listen(state.connection, "commit", _forbid_commit)
             result = store.claim_atomic(state.connection, state.scope, digest, ttl=ttl)
             if result is not None and result.claimed:
                 state.token, state.record = result.token, result.record
@@ -286,6 +288,17 @@ def _claim_atomic(
                 retry_after=IN_FLIGHT_RETRY_AFTER,
             )
         time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
+
+
+def _forbid_commit(connection: sa.Connection) -> None:
+    """An atomic view's own commit would publish its claim half-way (in progress, no lease):
+    a duplicate could then run the view again. Only the extension commits it, at the end."""
+    state = RequestState.current()
+    if state is not None and state.atomic and state.token is not None and not state.finished:
+        raise RuntimeError(
+            "an atomic view must not commit idem.connection() itself: the extension commits "
+            "it with the stored response"
+        )
 
 
 def answer_existing(

@@ -126,9 +126,7 @@ def _run(
     options: JobOptions, function: t.Callable[..., t.Any], call: inspect.BoundArguments
 ) -> t.Any:
     app_state = AppState.current()
-    scope = Scope(
-        _tenant(options, call), options.endpoint, check_key(str(_value(options.key, call)))
-    )
+    scope = Scope(_tenant(options, call), options.endpoint, _key(options, call))
     # A job run from a view or from another job keeps the outer state for afterwards.
     outer = RequestState.current()
     state = RequestState(scope, options)
@@ -268,6 +266,14 @@ def _value(argument: JobArgument, call: inspect.BoundArguments) -> t.Any:
     if isinstance(argument, str):
         return call.arguments[argument]
     return argument(*call.args, **call.kwargs)
+
+
+def _key(options: JobOptions, call: inspect.BoundArguments) -> str:
+    key = _value(options.key, call)
+    if key is None or key == "":
+        # Never the literal key "None": two different messages would share it.
+        raise ConfigurationError(f"job {options.name!r} resolved no key for this message")
+    return check_key(str(key))
 
 
 def _tenant(options: JobOptions, call: inspect.BoundArguments) -> str:

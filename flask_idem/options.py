@@ -63,6 +63,11 @@ class ViewOptions:
 
     def __post_init__(self) -> None:
         _check_outcome_options(self.recovery, self.ttl)
+        if self.atomic and (self.recovery != "fail" or self.declares_effects):
+            raise ConfigurationError(
+                "an atomic view never leaves an unknown outcome (a failure rolls everything "
+                "back): recovery= and declares_effects= do not apply to it"
+            )
         if self.fingerprint is not None and (self.exclude or self.include is not None):
             raise ConfigurationError("give either fingerprint= or exclude=/include=, not both")
         if self.replay is not None and not callable(self.replay):

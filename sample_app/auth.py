@@ -64,7 +64,11 @@ def _authenticate_webhook() -> None:
     fields = [part.partition("=") for part in request.headers.get(SIGNATURE_HEADER, "").split(",")]
     stamps = [value for name, _, value in fields if name.strip() == "t"]
     signatures = [value.strip() for name, _, value in fields if name.strip() == "v1"]
-    if len(stamps) != 1 or not stamps[0].strip().isdigit() or not signatures:
+    if (
+        len(stamps) != 1
+        or not (stamps[0].strip().isascii() and stamps[0].strip().isdigit())
+        or not signatures
+    ):
         raise problems.invalid_signature()
     timestamp = int(stamps[0])
     if abs(time.time() - timestamp) > SIGNATURE_TOLERANCE:

@@ -25,7 +25,7 @@ import flask
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Idempotency, Scope, StoreUnavailable
+from flask_idem import ConfigurationError, Idempotency, Scope, StoreUnavailable
 from flask_idem.store import SQLStore, create_engine
 
 from . import atomic_app
@@ -335,3 +335,95 @@ def test_a_worker_killed_mid_view_leaves_nothing_and_the_retry_runs_once(
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(atomic_app.orders)).scalar() == 1
     engine.dispose()
+
+
+def test_an_atomic_view_committing_itself_is_refused(
+    app_factory: Factory, store: SQLStore, business: sa.Table
+) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/self-commit")
+    @idem.idempotent(atomic=True)
+    def self_commit() -> t.Any:
+        conn = idem.connection()
+        conn.execute(business.insert().values(note="early"))
+        if counter.bump() == 1:
+            conn.commit()  # would publish the claim half-way
+        return "done", 201
+
+    client = app.test_client()
+    assert _post(client, "/self-commit").status_code == 500
+    assert _records(store) == 0 and _rows(store, business) == 0, "nothing was committed"
+    assert _post(client, "/self-commit").status_code == 201
+    assert _rows(store, business) == 1
+
+
+def test_atomic_views_refuse_recovery_options(app_factory: Factory) -> None:
+    _, idem, _ = app_factory()
+    for options in ({"recovery": "reexecute"}, {"declares_effects": True}):
+        with pytest.raises(ConfigurationError, match="atomic view never leaves"):
+            idem.idempotent(atomic=True, **options)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_an_autocommit_engine_is_refused_in_atomic_views(db_url: str) -> None:
+    engine = sa.create_engine(
+        sa.make_url(db_url).set(drivername="postgresql+psycopg2"), isolation_level="AUTOCOMMIT"
+    )
+    try:
+        app = flask.Flask("autocommit")
+        app.config.update(IDEMPOTENCY_ENGINE=engine, PROPAGATE_EXCEPTIONS=True)
+        idem = Idempotency(app, tenant=lambda: "alpha")
+
+        @app.post("/write")
+        @idem.idempotent(atomic=True)
+        def write() -> t.Any:
+            return "done", 201
+
+        with pytest.raises(ConfigurationError, match="autocommit"):
+            _post(app.test_client(), "/write")
+    finally:
+        engine.dispose()
+
+
+# -- isolation ----------------------------------------------------------------------------------
+
+
+def test_claims_stay_exclusive_when_the_database_defaults_to_repeatable_read(
+    fresh_pg_database: t.Callable[[], str],
+) -> None:
+    """Under REPEATABLE READ the claim's lookup would miss the winner's committed row."""
+    from flask_idem.migrate import upgrade
+    from flask_idem.store import create_store
+
+    url = fresh_pg_database()
+    upgrade(url)
+    raw = sa.create_engine(sa.make_url(url).set(drivername="postgresql+psycopg2"))
+    with raw.begin() as conn:
+        name = conn.exec_driver_sql("SELECT current_database()").scalar()
+        conn.exec_driver_sql(
+            f"ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'"
+        )
+    raw.dispose()  # new sessions get the new default
+    ours = create_store(url)  # flask_idem's engine: its sessions use READ COMMITTED
+    theirs = create_store(raw)  # an application engine that keeps the database default
+    try:
+        wins: list[bool] = []
+        for n in range(20):
+            scope = Scope("t", "POST /rr", f"k{n}")
+            barrier = threading.Barrier(4)
+
+            def claim(scope: Scope = scope, barrier: threading.Barrier = barrier) -> bool:
+                barrier.wait()
+                return ours.claim(scope, b"f" * 32, ttl=60, lease=30).claimed
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                outcome = list(pool.map(lambda _: claim(), range(4)))
+            wins.append(outcome.count(True) == 1)
+        assert all(wins), "exactly one claim wins each key"
+        with pytest.raises(StoreUnavailable) as refused:
+            theirs.claim(Scope("t", "POST /rr", "theirs"), b"f" * 32, ttl=60, lease=30)
+        assert "needs READ COMMITTED" in str(refused.value.__cause__), "refused, never doubled"
+    finally:
+        ours.engine.dispose()
+        raw.dispose()

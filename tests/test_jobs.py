@@ -310,3 +310,19 @@ def test_signals_stuck_and_reconcilers_see_job_records(app: flask.Flask, store: 
     assert reconciled.exit_code == 0 and "1 completed" in reconciled.output
     with app.app_context():
         assert charge_order("alpha", "order-1") == {"charge": "ch_1"}
+
+
+@pytest.mark.parametrize("key", [None, ""])
+def test_a_message_without_a_key_is_refused_before_any_claim(
+    app: flask.Flask, store: SQLStore, key: str | None
+) -> None:
+    idem = _idem(app)
+
+    @idem.job("charge-order", key="order_id", tenant=lambda order_id: "alpha")
+    def charge_order(order_id: str | None) -> int:
+        return 1
+
+    with app.app_context(), pytest.raises(ConfigurationError, match="resolved no key"):
+        charge_order(key)
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar() == 0

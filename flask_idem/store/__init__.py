@@ -76,11 +76,15 @@ def create_engine(
         guards.make_fork_safe(engine)
         return engine
     connect_args: dict[str, t.Any] = {**PG_CONNECT_ARGS, "connect_timeout": connect_timeout}
+    # The claim functions refuse any other isolation (their lookup must see the record the
+    # previous lock holder committed): whatever the database's or role's default, our
+    # sessions use READ COMMITTED.
+    session = ["-c default_transaction_isolation=read\\ committed"]
     if statement_timeout is not None:
         milliseconds = int(statement_timeout * 1000)
-        connect_args["options"] = (
-            f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"
-        )
+        session += [f"-c statement_timeout={milliseconds}", f"-c lock_timeout={milliseconds}"]
+    connect_args["options"] = " ".join(session)
+    if statement_timeout is not None:
         if guards.install_wait_callback():
             connect_args["connection_factory"] = guards.connection_factory(
                 statement_timeout + guards.DEADLINE_GRACE

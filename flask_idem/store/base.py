@@ -139,7 +139,8 @@ class Store(abc.ABC):
     def created_between(
         self, start: dt.datetime, end: dt.datetime, *, endpoints: t.Collection[str]
     ) -> list[Record]:
-        """Records of ``endpoints`` created in ``[start, end)``, live or expired but not yet
+        """Records of ``endpoints`` created, completed or last leased in ``[start, end)``
+        (a takeover of an older record ran in the window too), live or expired but not yet
         purged, oldest first, across tenants, without their stored responses (for the
         next-day audit, :mod:`flask_idem.audit`)."""
 

@@ -51,14 +51,18 @@ Partitions
 from __future__ import annotations
 
 import contextlib
+import logging
 import typing as t
 
 import sqlalchemy as sa
 
+from ..errors import ConfigurationError, StoreUnavailable
 from ..record import ClaimResult, MaintenanceReport, Scope
 from ..table import DEFAULT_PARTITION
 from ..table import idempotency_keys as table
 from .sql import SQLStore, new_token, record_from_row, translate_errors
+
+log = logging.getLogger("flask_idem")
 
 # Sent as driver SQL: the hottest statement (every protected request) skips SQLAlchemy's
 # statement compilation; psycopg2 already returns bytea, jsonb and timestamptz as Python values.
@@ -87,6 +91,20 @@ _PURGE_DEFAULT = sa.text(
 PURGE_BATCH = 5000
 #: How long upkeep waits for a lock that claims need too (claims queue behind the wait).
 MAINTENANCE_LOCK_TIMEOUT = "200ms"
+
+
+@contextlib.contextmanager
+def _isolation_explained() -> t.Iterator[None]:
+    """Say why a claim refused to run, in the log: the 503 alone reads like an outage."""
+    try:
+        yield
+    except StoreUnavailable as exc:
+        if "needs READ COMMITTED" in str(exc.__cause__):
+            log.error(
+                "the idempotency claim refused to run outside READ COMMITTED: configure "
+                "IDEMPOTENCY_ENGINE (or the database's default_transaction_isolation) for it"
+            )
+        raise
 
 
 def _claim_parameters(
@@ -141,15 +159,23 @@ class PostgresStore(SQLStore):
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         parameters = _claim_parameters(scope, fingerprint, ttl, lease)
-        with translate_errors(), self.connect() as conn:
+        with _isolation_explained(), translate_errors(), self.connect() as conn:
             row = conn.exec_driver_sql(_CLAIM, parameters).one()
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
 
     def claim_atomic(
         self, connection: sa.Connection, scope: Scope, fingerprint: bytes, *, ttl: float
     ) -> ClaimResult | None:
+        dbapi_connection = connection.connection.dbapi_connection
+        if getattr(dbapi_connection, "autocommit", False):
+            # Each statement would be its own transaction: the claim's lock and its row would
+            # be gone before the view's writes, and a duplicate could run the view again.
+            raise ConfigurationError(
+                "an atomic view needs a real transaction: the business connection is in "
+                "autocommit (IDEMPOTENCY_ENGINE with isolation_level='AUTOCOMMIT'?)"
+            )
         parameters = _claim_parameters(scope, fingerprint, ttl, lease=0)
-        with translate_errors():
+        with _isolation_explained(), translate_errors():
             row = connection.exec_driver_sql(_CLAIM_ATOMIC, parameters).first()
         if row is None:
             return None  # the scope's lock is held: a duplicate is running

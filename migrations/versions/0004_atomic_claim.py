@@ -1,4 +1,5 @@
-"""The atomic claim: a claim inside the caller's business transaction.
+"""The atomic claim: a claim inside the caller's business transaction; both claims insist on
+READ COMMITTED.
 
 ``idempotency_claim_atomic(...)`` is ``idempotency_claim(...)`` for views whose effects are all
 in the database (``@idem.idempotent(atomic=True)``): it runs in the view's own transaction, so
@@ -37,20 +38,24 @@ SIGNATURE = (
     "idempotency_claim_atomic(text, text, text, bytea, text, double precision, double precision)"
 )
 
+ISOLATION_CHECK = """    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'an idempotency claim needs READ COMMITTED, not %',
+            current_setting('transaction_isolation');
+    END IF;
+"""
 # The blocking lock of ``idempotency_claim`` and what takes its place.
 BLOCKING_LOCK = """    PERFORM pg_advisory_xact_lock(
         hashtext('flask_idem'),
         hashtext(p_tenant || E'\\x1f' || p_endpoint || E'\\x1f' || p_key));"""
-TRY_LOCK = """    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'an atomic idempotency claim needs READ COMMITTED, not %',
-            current_setting('transaction_isolation');
-    END IF;
-    -- Held until the business transaction ends: a duplicate gets no row (busy), never a wait.
+TRY_LOCK = (
+    ISOLATION_CHECK
+    + """    -- Held until the business transaction ends: a duplicate gets no row, never a wait.
     IF NOT pg_try_advisory_xact_lock(
         hashtext('flask_idem'),
         hashtext(p_tenant || E'\\x1f' || p_endpoint || E'\\x1f' || p_key)) THEN
         RETURN;
     END IF;"""
+)
 
 
 def _revision(name: str) -> types.ModuleType:
@@ -62,6 +67,27 @@ def _revision(name: str) -> types.ModuleType:
     return module
 
 
+def _claim_function() -> str:
+    """``idempotency_claim`` as of revision 0002."""
+    first, second = _revision("0001_idempotency_keys"), _revision("0002_outcome_model")
+    source = first.CLAIM_FUNCTION.replace(second.OLD_CLAIM_LIVE, second.NEW_CLAIM_LIVE)
+    if BLOCKING_LOCK not in source or second.NEW_CLAIM_LIVE not in source:
+        raise RuntimeError("revision 0001's claim function is not the one this revision expects")
+    return source
+
+
+def checked_claim_function() -> str:
+    """``idempotency_claim`` refusing any isolation but READ COMMITTED: under REPEATABLE READ
+    (a database's or role's default, even in autocommit) its lookup would use a snapshot taken
+    before the lock and miss the record the previous holder committed, so two claims could
+    both insert."""
+    return (
+        _claim_function()
+        .replace(BLOCKING_LOCK, ISOLATION_CHECK + BLOCKING_LOCK)
+        .replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+    )
+
+
 def atomic_claim_function() -> str:
     """``idempotency_claim`` as of revision 0002, with the try-lock and its own name.
 
@@ -69,20 +95,22 @@ def atomic_claim_function() -> str:
     seen in progress by anyone else "ends" at the claim (should it ever commit in progress, it
     shows as stuck at once).
     """
-    first, second = _revision("0001_idempotency_keys"), _revision("0002_outcome_model")
-    source = first.CLAIM_FUNCTION.replace(second.OLD_CLAIM_LIVE, second.NEW_CLAIM_LIVE)
-    if BLOCKING_LOCK not in source or second.NEW_CLAIM_LIVE not in source:
-        raise RuntimeError("revision 0001's claim function is not the one this revision expects")
-    return source.replace(BLOCKING_LOCK, TRY_LOCK).replace(
-        "CREATE FUNCTION idempotency_claim(", "CREATE FUNCTION idempotency_claim_atomic(", 1
+    return (
+        _claim_function()
+        .replace(BLOCKING_LOCK, TRY_LOCK)
+        .replace(
+            "CREATE FUNCTION idempotency_claim(", "CREATE FUNCTION idempotency_claim_atomic(", 1
+        )
     )
 
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
+        op.execute(checked_claim_function())
         op.execute(atomic_claim_function())
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute(f"DROP FUNCTION IF EXISTS {SIGNATURE}")
+        op.execute(_claim_function().replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1))
