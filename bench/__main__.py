@@ -1,10 +1,11 @@
 """``python -m bench [run] [--quick]``, ``python -m bench growth``, ``python -m bench sealing``,
-``python -m bench report``.
+``python -m bench profile``, ``python -m bench report``.
 
 ``run`` (the default) is ``make bench``; ``--quick`` is ``make bench-quick``. ``growth`` fills
 the table to millions of records and times the claim and partition expiry. ``sealing``
 measures compression and encryption of stored responses, on and off (``make bench
-BENCH_MODE=sealing``). ``report FILE`` re-prints a results file, ``--markdown`` as the table
+BENCH_MODE=sealing``). ``profile`` shows where one request's CPU and SQL time go, per app
+(:mod:`bench.profile`). ``report FILE`` re-prints a results file, ``--markdown`` as the table
 for README.
 """
 
@@ -54,11 +55,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sealing.add_argument("--quick", action="store_true", help="fewer iterations (< 1 minute)")
     sealing.add_argument("--output", type=Path)
 
+    prof = commands.add_parser("profile", help="CPU and SQL time per request, per app (cProfile)")
+    prof.add_argument("--requests", type=int, default=1_000, help="requests per app and scenario")
+    prof.add_argument("--apps", type=lambda text: tuple(text.split(",")), default=())
+
     show = commands.add_parser("report", help="re-print a results file")
     show.add_argument("file", type=Path)
     show.add_argument("--markdown", action="store_true")
 
-    if not argv or argv[0] not in ("run", "growth", "sealing", "report", "-h", "--help"):
+    if not argv or argv[0] not in ("run", "growth", "sealing", "profile", "report", "-h", "--help"):
         argv = ["run", *argv]
     return parser.parse_args(argv)
 
@@ -79,6 +84,11 @@ def main(argv: list[str]) -> int:
             print(
                 report.format_markdown(document) if args.markdown else report.format_text(document)
             )
+        return 0
+    if args.command == "profile":
+        from . import profile
+
+        profile.run(args.requests, args.apps)
         return 0
     if args.command == "sealing":
         from . import sealing as sealing_bench

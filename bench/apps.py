@@ -1,21 +1,27 @@
-"""The two apps the bench compares: one payment endpoint, bare and behind flask_idem.
+"""The apps the bench compares: one payment endpoint, bare, behind flask_idem (durable and
+atomic claim), and behind a hand-written minimal idempotency layer.
 
-Gunicorn loads them by factory (``bench.apps:bare()``, ``bench.apps:protected()``) and reads
-the database from ``BENCH_DATABASE_URL``. Both run exactly one ``INSERT`` and answer the same
-201 JSON, so the difference between them is what idempotency costs and nothing else. The
-protected app uses flask_idem with its defaults; its ``INSERT`` goes through
-``idem.connection()`` so the payment commits with the stored response, as users are told to do.
+Gunicorn loads them by factory (``bench.apps:bare()``, ``bench.apps:protected()``,
+``bench.apps:protected_atomic()``, ``bench.apps:handwritten()``) and reads the database from
+``BENCH_DATABASE_URL``. All run exactly one payment ``INSERT`` and answer the same 201 JSON,
+so the difference between them is what idempotency costs and nothing else. The protected apps
+use flask_idem with its defaults; their ``INSERT`` goes through ``idem.connection()`` so the
+payment commits with the stored response, as users are told to do. The hand-written layer is
+what a team would write instead (:func:`handwritten`): the reference flask_idem must beat.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import secrets
 import time
 import typing as t
 
 import sqlalchemy as sa
-from flask import Flask, current_app, jsonify, request
+from flask import Flask, Response, current_app, g, jsonify, request
 from flask.typing import ResponseReturnValue
 
 from flask_idem import Idempotency
@@ -40,6 +46,20 @@ payments = sa.Table(
     sa.Column("amount", sa.BigInteger, nullable=False),
     sa.Column("currency", sa.String(3), nullable=False),
     sa.Column("customer", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.func.now()),
+)
+
+#: The hand-written layer's own table (see :func:`handwritten`).
+handwritten_keys = sa.Table(
+    "bench_handwritten_keys",
+    metadata,
+    sa.Column("tenant", sa.String(64), primary_key=True),
+    sa.Column("key", sa.String(255), primary_key=True),
+    sa.Column("fingerprint", sa.LargeBinary, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("status", sa.Integer, nullable=True),
+    sa.Column("body", sa.LargeBinary, nullable=True),
+    sa.Column("headers", sa.Text, nullable=True),
     sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.func.now()),
 )
 
@@ -114,6 +134,108 @@ def protected(url: str | None = None) -> Flask:
 
     app.extensions["bench_engine"] = app.extensions["idempotency"].store.engine
     _add_bench_routes(app, lambda: current_app.extensions["bench_engine"])
+    return app
+
+
+def protected_atomic(url: str | None = None) -> Flask:
+    """The same endpoint behind flask_idem's atomic claim (its effects are all in the
+    database): claim, payment and stored response commit once."""
+    app = Flask("bench_protected_atomic")
+    app.config["IDEMPOTENCY_DATABASE_URL"] = database_url(url)
+    idem = Idempotency(tenant=lambda: TENANT)
+    idem.init_app(app)
+    insert = payments.insert()
+
+    @app.post(PAYMENT_PATH)
+    @idem.idempotent(atomic=True)
+    def create_payment() -> ResponseReturnValue:
+        row = _new_payment()
+        idem.connection().execute(insert, row)
+        return _created(row)
+
+    app.extensions["bench_engine"] = app.extensions["idempotency"].store.engine
+    _add_bench_routes(app, lambda: current_app.extensions["bench_engine"])
+    return app
+
+
+# The hand-written layer: durable claim (it commits before the view, which may call a
+# provider), the business rows and the stored answer in one transaction, replay, 409 while in
+# flight, 422 for another body, and the claim released when the view fails. What it leaves
+# out (what flask_idem adds): leases and recovery of a claim whose worker died (it stays
+# "running": 409 until someone deletes it), expiry, canonical fingerprints, header policy.
+_HW_CLAIM = sa.text(
+    "INSERT INTO bench_handwritten_keys (tenant, key, fingerprint, state)"
+    " VALUES (:tenant, :key, :fingerprint, 'running') ON CONFLICT DO NOTHING RETURNING key"
+)
+_HW_FIND = sa.text(
+    "SELECT fingerprint, state, status, body, headers FROM bench_handwritten_keys"
+    " WHERE tenant = :tenant AND key = :key"
+)
+_HW_DONE = sa.text(
+    "UPDATE bench_handwritten_keys SET state = 'done', status = :status, body = :body,"
+    " headers = :headers WHERE tenant = :tenant AND key = :key"
+)
+_HW_RELEASE = sa.text("DELETE FROM bench_handwritten_keys WHERE tenant = :tenant AND key = :key")
+
+
+def _hand_idempotent(engine: sa.Engine, view: t.Callable[[], ResponseReturnValue]) -> t.Any:
+    auto = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    @functools.wraps(view)
+    def wrapper() -> ResponseReturnValue:
+        key = request.headers.get("Idempotency-Key", "")
+        if not 0 < len(key) <= 255:
+            return {"error": "Idempotency-Key required"}, 400
+        ids = {"tenant": TENANT, "key": key}
+        digest = hashlib.sha256(request.get_data()).digest()
+        with auto.connect() as conn:
+            if conn.execute(_HW_CLAIM, ids | {"fingerprint": digest}).first() is None:
+                found = conn.execute(_HW_FIND, ids).first()
+                if found is None or found.state != "done":
+                    return {"error": "request in progress"}, 409
+                if bytes(found.fingerprint) != digest:
+                    return {"error": "key reused with another request"}, 422
+                headers = json.loads(found.headers) | {"Idempotent-Replayed": "true"}
+                return Response(bytes(found.body), found.status, headers)
+        try:
+            with engine.begin() as g.bench_connection:
+                answer = current_app.make_response(view())
+                saved = {
+                    k: answer.headers[k]
+                    for k in ("Content-Type", "Location")
+                    if k in answer.headers
+                }
+                done = {
+                    "status": answer.status_code,
+                    "body": answer.get_data(),
+                    "headers": json.dumps(saved),
+                }
+                g.bench_connection.execute(_HW_DONE, ids | done)
+        except BaseException:
+            with auto.connect() as conn:
+                conn.execute(_HW_RELEASE, ids)
+            raise
+        return answer
+
+    return wrapper
+
+
+def handwritten(url: str | None = None) -> Flask:
+    """The same endpoint behind the minimal layer above: the reference flask_idem is compared
+    with (same pool, same payment INSERT)."""
+    app = Flask("bench_handwritten")
+    engine = sa.create_engine(database_url(url), pool_size=10, max_overflow=20, pool_timeout=5)
+    insert = payments.insert()
+
+    @app.post(PAYMENT_PATH)
+    @functools.partial(_hand_idempotent, engine)
+    def create_payment() -> ResponseReturnValue:
+        row = _new_payment()
+        g.bench_connection.execute(insert, row)
+        return _created(row)
+
+    app.extensions["bench_engine"] = engine
+    _add_bench_routes(app, lambda: engine)
     return app
 
 

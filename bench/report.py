@@ -1,9 +1,9 @@
 """Turn a results document into the summary, the target verdicts, a table and a JSON file.
 
 Everything here works on the plain JSON document, so ``python -m bench report FILE`` re-prints
-any earlier run. Ratios are computed per round (protected / bare, same scenario and
-concurrency, measured back to back) and summarised by their median and range, so one noisy
-round cannot make the headline.
+any earlier run. Ratios are computed per round (app / bare, and flask_idem / hand-written,
+same scenario and concurrency, measured in the same round) and summarised by their median and
+range, so one noisy round cannot make the headline.
 """
 
 from __future__ import annotations
@@ -27,9 +27,15 @@ METRICS = (
     "app_cpu_ms",
     "db_cpu_ms",
     "client_cpu_ms",
+    "server_cpu_ms",
 )
-#: The concurrency the targets of issue 6 are stated at.
+#: The concurrency the targets of issue 12 are stated at.
 TARGET_CONCURRENCY = 8
+#: The floor, and the reference flask_idem's apps are also compared with.
+BARE, HANDWRITTEN = "bare", "handwritten"
+DURABLE, ATOMIC = "idem", "idem-atomic"
+#: flask_idem's apps (durable and atomic claim).
+IDEM_APPS = (DURABLE, ATOMIC)
 
 Document = dict[str, t.Any]
 
@@ -61,20 +67,49 @@ def summarize(document: Document) -> list[dict[str, t.Any]]:
             "statuses": _merge([r["statuses"] for r in mine]),
         }
         for metric in METRICS:
-            row[metric] = _median(r.get(metric) for r in mine)
-        if app != "bare":
-            bare = {
-                r["round"]: r
-                for r in runs
-                if r["scenario"] == scenario
-                and r["concurrency"] == concurrency
-                and r["app"] == "bare"
-            }
-            paired = [(r, bare[r["round"]]) for r in mine if r["round"] in bare]
+            row[metric] = _median(_metric(r, metric) for r in mine)
+        if app != BARE:
+            paired = _paired(runs, mine, scenario, concurrency, BARE)
             row["rps_ratio"] = _spread([r["rps"] / b["rps"] for r, b in paired if b["rps"]])
             row["p99_ratio"] = _spread([r["p99"] / b["p99"] for r, b in paired if b["p99"]])
+            row["cpu_ratio"] = _spread(
+                [
+                    _metric(r, "server_cpu_ms") / _metric(b, "server_cpu_ms")  # type: ignore[operator]
+                    for r, b in paired
+                    if _metric(r, "server_cpu_ms") is not None and _metric(b, "server_cpu_ms")
+                ]
+            )
+        if app in IDEM_APPS:
+            paired = _paired(runs, mine, scenario, concurrency, HANDWRITTEN)
+            row["hand_ratio"] = _spread([r["rps"] / b["rps"] for r, b in paired if b["rps"]])
         rows.append(row)
     return rows
+
+
+def _metric(run: dict[str, t.Any], metric: str) -> float | None:
+    """A run's figure; ``server_cpu_ms`` is the app's and the database's CPU together."""
+    if metric == "server_cpu_ms" and "server_cpu_ms" not in run:
+        if run.get("app_cpu_ms") is None or run.get("db_cpu_ms") is None:
+            return None
+        return float(run["app_cpu_ms"] + run["db_cpu_ms"])
+    value = run.get(metric)
+    return None if value is None else float(value)
+
+
+def _paired(
+    runs: list[dict[str, t.Any]],
+    mine: list[dict[str, t.Any]],
+    scenario: str,
+    concurrency: int,
+    other: str,
+) -> list[tuple[dict[str, t.Any], dict[str, t.Any]]]:
+    """``mine`` with ``other``'s run of the same round, scenario and concurrency."""
+    theirs = {
+        r["round"]: r
+        for r in runs
+        if r["scenario"] == scenario and r["concurrency"] == concurrency and r["app"] == other
+    }
+    return [(r, theirs[r["round"]]) for r in mine if r["round"] in theirs]
 
 
 def _spread(values: list[float]) -> dict[str, float | list[float]] | None:
@@ -108,10 +143,10 @@ def _find(rows: list[dict[str, t.Any]], scenario: str, app: str) -> dict[str, t.
 
 
 def check_targets(document: Document, rows: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
-    """The targets of issue 6, item 3 (medians at concurrency 8), each with its measured value
-    and whether it holds; None where the run could not measure it."""
-    s1, s2 = _find(rows, "S1", "idem"), _find(rows, "S2", "idem")
-    bare1 = _find(rows, "S1", "bare")
+    """The targets of issue 12, item 4 (medians at concurrency 8, ratios to bare in the same
+    run), each with its measured value and whether it holds; None where the run could not
+    measure it (an app missing from the run is left out)."""
+    apps = {row["app"] for row in rows}
     targets: list[dict[str, t.Any]] = []
 
     def add(name: str, value: float | str | None, holds: bool | None) -> None:
@@ -121,41 +156,70 @@ def check_targets(document: Document, rows: list[dict[str, t.Any]]) -> list[dict
         spread = row.get(field) if row else None
         return None if spread is None else float(spread["median"])
 
-    r = ratio(s1, "rps_ratio")
-    add("S1 throughput >= 0.75x bare", r, None if r is None else r >= 0.75)
-    r = ratio(s1, "p99_ratio")
-    add("S1 p99 <= 1.5x bare", r, None if r is None else r <= 1.5)
-    r = ratio(s2, "rps_ratio")
-    add("S2 throughput >= 1.3x bare", r, None if r is None else r >= 1.3)
+    def at_least(name: str, value: float | None, goal: float) -> None:
+        add(name, value, None if value is None else value >= goal)
 
-    storms = [s for s in document.get("storms", []) if s["app"] == "idem"]
-    if storms:
+    def at_most(name: str, value: float | None, goal: float) -> None:
+        add(name, value, None if value is None else value <= goal)
+
+    def field(row: dict[str, t.Any] | None, name: str) -> float | None:
+        return None if row is None or row.get(name) is None else float(row[name])
+
+    bare1 = _find(rows, "S1", BARE)
+    if ATOMIC in apps:
+        s1, s2 = _find(rows, "S1", ATOMIC), _find(rows, "S2", ATOMIC)
+        at_least("atomic S1 >= 0.75x bare req/s", ratio(s1, "rps_ratio"), 0.75)
+        at_most("atomic S1 server CPU <= 1.35x bare", ratio(s1, "cpu_ratio"), 1.35)
+        commits = field(s1, "durable_commits")
+        add(
+            "atomic S1 1 commit per new key",
+            commits,
+            None if commits is None else abs(commits - 1) < 0.01,
+        )
+        at_least("atomic S2 >= 1.3x bare req/s", ratio(s2, "rps_ratio"), 1.3)
+        r = ratio(s2, "cpu_ratio")
+        add("atomic S2 server CPU < bare request's", r, None if r is None else r < 1.0)
+        at_most("atomic S2 no commit", field(s2, "durable_commits"), 0.005)
+    if DURABLE in apps:
+        s1, s2 = _find(rows, "S1", DURABLE), _find(rows, "S2", DURABLE)
+        at_least("durable S1 >= 0.60x bare req/s", ratio(s1, "rps_ratio"), 0.60)
+        if HANDWRITTEN in apps:
+            at_least("durable S1 ahead of hand-written", ratio(s1, "hand_ratio"), 1.0)
+        at_least("durable S2 >= 1.3x bare req/s", ratio(s2, "rps_ratio"), 1.3)
+        r = ratio(s2, "cpu_ratio")
+        add("durable S2 server CPU < bare request's", r, None if r is None else r < 1.0)
+        d = None
+        if field(s1, "statements") is not None and field(bare1, "statements") is not None:
+            d = t.cast(float, field(s1, "statements")) - t.cast(float, field(bare1, "statements"))
+        at_most("durable S1 statements <= bare + 2", d, 2.005)
+        commits = field(s1, "durable_commits")
+        add(
+            "durable S1 2 commits per new key",
+            commits,
+            None if commits is None else abs(commits - 2) < 0.01,
+        )
+        v = field(s2, "statements")
+        add("durable S2 exactly 1 statement", v, None if v is None else abs(v - 1) < 0.01)
+        at_most("durable S2 no commit", field(s2, "durable_commits"), 0.005)
+
+    for app in IDEM_APPS:
+        if app not in apps:
+            continue
+        storms = [s for s in document.get("storms", []) if s["app"] == app]
+        name = f"{app} S3 one row per storm, no 5xx"
+        if not storms:
+            add(name, None, None)
+            continue
         rows_per_key = [n for s in storms for n in s["rows"]]
         server_errors = sum(
             s["errors"] + sum(n for k, n in s["statuses"].items() if k.startswith("5"))
             for s in storms
         )
         add(
-            "S3 exactly one row per storm, no 5xx",
+            name,
             f"rows per storm {sorted(set(rows_per_key))}, 5xx {server_errors}",
             all(n == 1 for n in rows_per_key) and server_errors == 0,
         )
-    else:
-        add("S3 exactly one row per storm, no 5xx", None, None)
-
-    def delta(field: str) -> float | None:
-        if s1 is None or bare1 is None or s1[field] is None or bare1[field] is None:
-            return None
-        return float(s1[field] - bare1[field])
-
-    d = delta("statements")
-    add("S1 statements <= bare + 2", d, None if d is None else d <= 2.005)
-    d = delta("durable_commits")
-    add("S1 commits <= bare + 1", d, None if d is None else d <= 1.005)
-    v = s2["statements"] if s2 else None
-    add("S2 exactly 1 statement", v, None if v is None else abs(v - 1) < 0.01)
-    v = s2["durable_commits"] if s2 else None
-    add("S2 no commit", v, None if v is None else v < 0.01)
     return targets
 
 
@@ -179,11 +243,13 @@ COLUMNS = (
     ("p99 ms", ">"),
     ("x bare req/s", ">"),
     ("x bare p99", ">"),
+    ("x hand req/s", ">"),
     ("stmt/req", ">"),
     ("commit/req", ">"),
     ("xact/req", ">"),
     ("app CPU ms/req", ">"),
     ("db CPU ms/req", ">"),
+    ("x bare CPU", ">"),
 )
 
 
@@ -201,11 +267,13 @@ def table_rows(rows: list[dict[str, t.Any]]) -> list[list[str]]:
                 _fmt(row["p99"], 2),
                 _ratio(row.get("rps_ratio")),
                 _ratio(row.get("p99_ratio")),
+                _ratio(row.get("hand_ratio")),
                 _fmt(row["statements"], 2),
                 _fmt(row["durable_commits"], 2),
                 _fmt(row["xact_commits"], 2),
                 _fmt(row["app_cpu_ms"], 2),
                 _fmt(row["db_cpu_ms"], 2),
+                _ratio(row.get("cpu_ratio")),
             ]
         )
     return body
@@ -216,7 +284,7 @@ def storm_lines(document: Document) -> list[str]:
     for s in document.get("storms", []):
         statuses = " ".join(f"{k}:{v}" for k, v in s["statuses"].items())
         lines.append(
-            f"{SCENARIO_NAMES['S3']} {s['app']:<4}: {s['storms']} storms of {s['size']}, "
+            f"{SCENARIO_NAMES['S3']} {s['app']:<11}: {s['storms']} storms of {s['size']}, "
             f"payment rows per key {sorted(set(s['rows']))}, statuses {statuses}, "
             f"client errors {s['errors']}, stmt/req {_fmt(s['statements'], 2)}, "
             f"commit/req {_fmt(s['durable_commits'], 2)}"
@@ -256,7 +324,8 @@ def format_text(document: Document) -> str:
         out.append(f"  {target['target']:<40} {shown:<32} {verdict}")
     out += [
         "",
-        "x bare: per-round ratio protected/bare, median [min-max]. stmt/req: top-level "
+        "x bare: per-round ratio app/bare, median [min-max]; x hand: flask_idem/hand-written "
+        "req/s; x bare CPU: server CPU (app + db) per request. stmt/req: top-level "
         "statements (BEGIN/COMMIT included) from pg_stat_statements. commit/req: durable "
         "(write) commits. xact/req: pg_stat_database xact_commit, read-only autocommit "
         "statements included. CPU: gunicorn workers and PostgreSQL backends, from /proc.",

@@ -1,7 +1,9 @@
-"""The A/B bench: both apps, the same load, interleaved rounds, the server's own counters.
+"""The A/B bench: every app, the same load, interleaved rounds, the server's own counters.
 
-Scenarios (each at every concurrency, each round running bare then protected, the next
-round the other way round so that slow drift of the machine does not favour either app):
+The apps (:mod:`bench.apps`): ``bare`` (the floor), ``idem`` (flask_idem, durable claim),
+``idem-atomic`` (flask_idem, ``atomic=True``) and ``handwritten`` (a minimal layer written by
+hand, the reference). Scenarios (each at every concurrency, each round running the apps in
+order, the next round in reverse order so that slow drift of the machine favours none):
 
 S1  every request carries a new key: the full claim, business transaction and completion;
 S2  every request carries the same, completed key: a replay (the bare app does the work);
@@ -34,8 +36,17 @@ from .apps import create_schema, database_url
 from .db import Probe, Server, cpu_delta
 from .servers import Gunicorn
 
-APPS = ("bare", "idem")
-FACTORIES = {"bare": "bare", "idem": "protected"}
+APPS = ("bare", "idem", "idem-atomic", "handwritten")
+FACTORIES = {
+    "bare": "bare",
+    "idem": "protected",
+    "idem-atomic": "protected_atomic",
+    "handwritten": "handwritten",
+}
+#: Apps whose databases need flask_idem's schema.
+IDEM_APPS = ("idem", "idem-atomic")
+#: Apps that must create one payment per key (every app but the floor).
+PROTECTED_APPS = ("idem", "idem-atomic", "handwritten")
 SCENARIOS = ("S1", "S2")
 SCENARIO_NAMES = {"S1": "S1 new key", "S2": "S2 replay", "S3": "S3 storm"}
 
@@ -111,7 +122,8 @@ class Storms:
     storms: int
     statuses: dict[str, int]
     errors: int
-    #: Payment rows per storm key (protected: must be 1 each) and stored idempotency records.
+    #: Payment rows per storm key (protected: must be 1 each) and stored idempotency records
+    #: (flask_idem's table, or the hand-written layer's).
     rows: list[int]
     records: list[int]
     distinct_bodies: list[int]
@@ -247,7 +259,7 @@ class Bench:
         self.pending[app] = self.executor.submit(self._flush, app, run, before_xact)
         self.runs.append(run)
         self.log(
-            f"  round {round_} {SCENARIO_NAMES[scenario]:<11} c={concurrency:<2} {app:<4} "
+            f"  round {round_} {SCENARIO_NAMES[scenario]:<11} c={concurrency:<2} {app:<11} "
             f"{run.rps:8.1f} req/s  p99 {run.p99:7.2f} ms  {_statuses(run.statuses)}"
         )
         return run
@@ -293,7 +305,7 @@ class Bench:
                 durable_commits=xids / total,
             )
             self.log(
-                f"  storms {app:<4} rows per key {rows}  {_statuses(storms.statuses)}"
+                f"  storms {app:<11} rows per key {rows}  {_statuses(storms.statuses)}"
                 f"  errors {storms.errors}"
             )
             found.append(storms)
@@ -315,11 +327,12 @@ class Bench:
                     for key in keys
                 ]
                 records = [0] * len(keys)
-                if app == "idem":
+                table = _RECORDS.get(app)
+                if table is not None:
                     records = [
                         int(
                             conn.execute(
-                                sa.text("SELECT count(*) FROM idempotency_keys WHERE key = :k"),
+                                sa.text(f"SELECT count(*) FROM {table} WHERE key = :k"),
                                 {"k": key},
                             ).scalar_one()
                         )
@@ -332,7 +345,18 @@ class Bench:
 
 #: One statement per request that reached the app, so that per-request figures divide by what
 #: the server did: wrk stops with requests in flight that it never counts.
-_MARKERS = {"bare": "INSERT INTO bench_payments", "idem": "idempotency_claim("}
+_MARKERS = {
+    "bare": "INSERT INTO bench_payments",
+    "idem": "idempotency_claim(",
+    "idem-atomic": "idempotency_claim_atomic(",
+    "handwritten": "INSERT INTO bench_handwritten_keys",
+}
+#: Where each protected app keeps its records (counted after the storms).
+_RECORDS = {
+    "idem": "idempotency_keys",
+    "idem-atomic": "idempotency_keys",
+    "handwritten": "bench_handwritten_keys",
+}
 
 
 def _served(app: str, top: list[tuple[str, int]]) -> int | None:
@@ -370,10 +394,13 @@ def run(options: Options) -> dict[str, t.Any]:
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(Server.open(f"bench-{os.getpid()}"))
         control = stack.enter_context(server.database("control"))
-        databases = {app: stack.enter_context(server.database(app)) for app in APPS}
+        databases = {
+            app: stack.enter_context(server.database(app.replace("-", "_"))) for app in APPS
+        }
         for url in databases.values():
             create_schema(url)
-        upgrade(databases["idem"])
+        for app in IDEM_APPS:
+            upgrade(databases[app])
         probe = Probe(control)
         stack.callback(probe.dispose)
         bench = Bench(options, databases, probe)

@@ -168,6 +168,60 @@ def test_a_duplicate_gets_409_at_once_while_the_first_runs(
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_replay_is_answered_while_another_holds_the_scope_lock(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    """Concurrent replays of a completed key (the holder of the try-lock may only be
+    replaying) replay, never 409; a record in progress still answers 409, and a scope whose
+    record expired is still claimed only by the lock holder (the lookup is for completed,
+    live records)."""
+    app, idem, counter = app_factory()
+
+    @app.post("/done")
+    @idem.idempotent(atomic=True)
+    def done() -> t.Any:
+        counter.bump()
+        return {"n": counter.calls}, 201
+
+    client = app.test_client()
+    first = _post(client, "/done")
+    assert first.status_code == 201
+    lock = (
+        "SELECT pg_advisory_xact_lock(hashtext('flask_idem'),"
+        " hashtext(:tenant || E'\\x1f' || :endpoint || E'\\x1f' || :key))"
+    )
+    scope = {"tenant": "alpha", "endpoint": "POST /done", "key": "k"}
+    with store.engine.connect() as holder:
+        holder.begin()
+        holder.execute(sa.text(lock), scope)
+        started = time.monotonic()
+        again = _post(client, "/done")
+        assert time.monotonic() - started < 2
+        assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+        assert again.get_json() == first.get_json()
+        mismatch = client.post("/done", json={"n": 2}, headers={"Idempotency-Key": "k"})
+        assert mismatch.status_code == 422
+        # No record yet for a locked scope: busy, as before.
+        holder.execute(sa.text(lock), scope | {"key": "fresh"})
+        assert _post(client, "/done", key="fresh").status_code == 409
+        holder.rollback()
+    assert counter.calls == 1
+    # Expired: the lookup does not see it, so a holder of the lock keeps the scope.
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "UPDATE idempotency_keys SET expires_at = now() - interval '1 hour',"
+            " created_at = now() - interval '2 hours', completed_at = now() - interval '2 hours'"
+            " WHERE key = 'k'"
+        )
+    with store.engine.connect() as holder:
+        holder.begin()
+        holder.execute(sa.text(lock), scope)
+        assert _post(client, "/done").status_code == 409
+        holder.rollback()
+    assert _post(client, "/done").status_code == 201 and counter.calls == 2
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_repeatable_read_is_refused(store: SQLStore) -> None:
     connection = store.begin()
     try:

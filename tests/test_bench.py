@@ -13,9 +13,9 @@ import pytest
 import sqlalchemy as sa
 from werkzeug.serving import make_server
 
-from bench import load, report
+from bench import load, report, runner
 from bench.__main__ import parse
-from bench.apps import HEALTH_PATH, bare, create_schema, protected
+from bench.apps import HEALTH_PATH, bare, create_schema, handwritten, protected, protected_atomic
 from flask_idem.migrate import upgrade
 
 BODY = {"amount": 4200, "currency": "EUR", "customer": "cus_bench"}
@@ -44,7 +44,7 @@ def _rows(url: str, key: str) -> int:
 
 
 @pytest.mark.postgresql
-@pytest.mark.parametrize("factory", [bare, protected])
+@pytest.mark.parametrize("factory", [bare, protected, protected_atomic, handwritten])
 def test_apps_answer_the_same_payment(bench_url: str, factory: t.Any) -> None:
     app = factory(bench_url)
     try:
@@ -59,10 +59,14 @@ def test_apps_answer_the_same_payment(bench_url: str, factory: t.Any) -> None:
         assert first.headers["Location"] == f"/payments/{payment['id']}"
         again = client.post("/payments", json=BODY, headers=headers)
         assert again.status_code == 201
-        if factory is protected:
+        if factory is not bare:
             # A replay: same answer, one row.
             assert again.headers["Idempotent-Replayed"] == "true"
             assert again.get_json() == payment
+            assert again.headers["Location"] == first.headers["Location"]
+            assert _rows(bench_url, key) == 1
+            other = client.post("/payments", json=dict(BODY, amount=1), headers=headers)
+            assert other.status_code == 422
             assert _rows(bench_url, key) == 1
         else:
             # The bare app does the work again: that is what the bench compares against.
@@ -71,6 +75,45 @@ def test_apps_answer_the_same_payment(bench_url: str, factory: t.Any) -> None:
         assert client.get(HEALTH_PATH).status_code == 200
     finally:
         app.extensions["bench_engine"].dispose()
+
+
+@pytest.mark.postgresql
+def test_handwritten_layer_409_in_flight_and_release_on_failure(bench_url: str) -> None:
+    app = handwritten(bench_url)
+    engine = app.extensions["bench_engine"]
+    try:
+        client = app.test_client()
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO bench_handwritten_keys (tenant, key, fingerprint, state)"
+                    " VALUES ('bench', 'hw-running', '\\x00', 'running')"
+                )
+            )
+        running = client.post("/payments", json=BODY, headers={"Idempotency-Key": "hw-running"})
+        assert running.status_code == 409
+        assert client.post("/payments", json=BODY).status_code == 400
+        # A failing view (no amount) releases its claim: the corrected retry runs.
+        headers = {"Idempotency-Key": "hw-fails"}
+        app.config["PROPAGATE_EXCEPTIONS"] = False
+        failed = client.post("/payments", json={"currency": "EUR"}, headers=headers)
+        assert failed.status_code == 500
+        assert client.post("/payments", json=BODY, headers=headers).status_code == 201
+        assert _rows(bench_url, "hw-fails") == 1
+    finally:
+        engine.dispose()
+
+
+def test_every_app_has_a_factory_a_marker_and_records() -> None:
+    from bench import apps
+
+    for app in runner.APPS:
+        assert callable(getattr(apps, runner.FACTORIES[app]))
+        assert app in runner._MARKERS
+    assert set(runner._RECORDS) == set(runner.PROTECTED_APPS)
+    assert set(runner.IDEM_APPS) == set(report.IDEM_APPS)
+    # The durable claim's marker must not count the atomic claim's calls.
+    assert runner._MARKERS["idem"] not in "SELECT * FROM idempotency_claim_atomic($1)"
 
 
 @pytest.fixture
@@ -138,12 +181,16 @@ def test_wrk_script_renders() -> None:
 
 def _run(round_: int, scenario: str, app: str, rps: float, p99: float) -> dict[str, t.Any]:
     per_request = {
-        ("S1", "bare"): (3.0, 1.0),
-        ("S1", "idem"): (5.0, 2.0),
-        ("S2", "bare"): (3.0, 1.0),
-        ("S2", "idem"): (1.0, 0.0),
+        ("S1", "bare"): (3.0, 1.0, 1.0),
+        ("S1", "idem"): (5.0, 2.0, 1.3),
+        ("S1", "idem-atomic"): (5.0, 1.0, 1.2),
+        ("S1", "handwritten"): (5.0, 2.0, 1.4),
+        ("S2", "bare"): (3.0, 1.0, 1.0),
+        ("S2", "idem"): (1.0, 0.0, 0.5),
+        ("S2", "idem-atomic"): (3.0, 0.0, 0.6),
+        ("S2", "handwritten"): (2.0, 0.0, 0.6),
     }
-    statements, commits = per_request[scenario, app]
+    statements, commits, cpu = per_request[scenario, app]
     return {
         "round": round_,
         "scenario": scenario,
@@ -162,8 +209,8 @@ def _run(round_: int, scenario: str, app: str, rps: float, p99: float) -> dict[s
         "statements": statements,
         "xact_commits": commits,
         "durable_commits": commits,
-        "app_cpu_ms": 1.0,
-        "db_cpu_ms": 0.5,
+        "app_cpu_ms": cpu,
+        "db_cpu_ms": 0.5 * cpu,
         "client_cpu_ms": 0.1,
         "top_statements": [],
     }
@@ -175,27 +222,34 @@ def _document() -> dict[str, t.Any]:
         runs += [
             _run(round_, "S1", "bare", 100.0, 10.0),
             _run(round_, "S1", "idem", 100.0 * s1, 12.0),
+            _run(round_, "S1", "idem-atomic", 100.0 * (s1 + 0.05), 11.0),
+            _run(round_, "S1", "handwritten", 100.0 * (s1 - 0.1), 12.0),
             _run(round_, "S2", "bare", 100.0, 10.0),
             _run(round_, "S2", "idem", 100.0 * s2, 8.0),
+            _run(round_, "S2", "idem-atomic", 100.0 * s2, 8.0),
+            _run(round_, "S2", "handwritten", 100.0 * s2, 8.0),
         ]
-    storm = {
-        "app": "idem",
-        "size": 50,
-        "storms": 2,
-        "statuses": {"201": 2, "409": 98},
-        "errors": 0,
-        "rows": [1, 1],
-        "records": [1, 1],
-        "distinct_bodies": [1, 1],
-        "statements": 1.0,
-        "durable_commits": 0.02,
-    }
+    storms = [
+        {
+            "app": app,
+            "size": 50,
+            "storms": 2,
+            "statuses": {"201": 2, "409": 98},
+            "errors": 0,
+            "rows": [1, 1],
+            "records": [1, 1],
+            "distinct_bodies": [1, 1],
+            "statements": 1.0,
+            "durable_commits": 0.02,
+        }
+        for app in ("idem", "idem-atomic", "handwritten")
+    ]
     return {
         "options": {"mode": "quick", "workers": 4, "client": "python", "rounds": 3, "seconds": 1},
         "postgresql": {"server_version": "15", "fsync": "on", "synchronous_commit": "on"},
         "machine": {"nproc": 2},
         "runs": runs,
-        "storms": [storm],
+        "storms": storms,
     }
 
 
@@ -205,16 +259,26 @@ def test_report_ratios_targets_and_files(tmp_path: Path) -> None:
     assert idem_s1["rps_ratio"]["median"] == pytest.approx(0.8)
     assert (idem_s1["rps_ratio"]["min"], idem_s1["rps_ratio"]["max"]) == pytest.approx((0.7, 0.9))
     assert idem_s1["p99_ratio"]["median"] == pytest.approx(1.2)
+    assert idem_s1["hand_ratio"]["median"] == pytest.approx(0.8 / 0.7)
+    assert idem_s1["cpu_ratio"]["median"] == pytest.approx(1.3)
     verdicts = {target["target"]: target["holds"] for target in document["targets"]}
     assert verdicts == {
-        "S1 throughput >= 0.75x bare": True,
-        "S1 p99 <= 1.5x bare": True,
-        "S2 throughput >= 1.3x bare": True,
-        "S3 exactly one row per storm, no 5xx": True,
-        "S1 statements <= bare + 2": True,
-        "S1 commits <= bare + 1": True,
-        "S2 exactly 1 statement": True,
-        "S2 no commit": True,
+        "atomic S1 >= 0.75x bare req/s": True,
+        "atomic S1 server CPU <= 1.35x bare": True,
+        "atomic S1 1 commit per new key": True,
+        "atomic S2 >= 1.3x bare req/s": True,
+        "atomic S2 server CPU < bare request's": True,
+        "atomic S2 no commit": True,
+        "durable S1 >= 0.60x bare req/s": True,
+        "durable S1 ahead of hand-written": True,
+        "durable S2 >= 1.3x bare req/s": True,
+        "durable S2 server CPU < bare request's": True,
+        "durable S1 statements <= bare + 2": True,
+        "durable S1 2 commits per new key": True,
+        "durable S2 exactly 1 statement": True,
+        "durable S2 no commit": True,
+        "idem S3 one row per storm, no 5xx": True,
+        "idem-atomic S3 one row per storm, no 5xx": True,
     }
     text = report.format_text(document)
     assert "x bare req/s" in text and "0.80 [0.70-0.90]" in text and "MISSED" not in text
@@ -229,8 +293,11 @@ def test_report_flags_a_missed_target() -> None:
     for run in document["runs"]:
         if (run["scenario"], run["app"]) == ("S2", "idem"):
             run["statements"] = 2.0
+        if (run["scenario"], run["app"]) == ("S1", "idem-atomic"):
+            run["app_cpu_ms"] = 2.0
     verdicts = {t["target"]: t["holds"] for t in report.complete(document)["targets"]}
-    assert verdicts["S2 exactly 1 statement"] is False
+    assert verdicts["durable S2 exactly 1 statement"] is False
+    assert verdicts["atomic S1 server CPU <= 1.35x bare"] is False
 
 
 def test_command_line() -> None:

@@ -74,6 +74,27 @@ _CLAIM = (
     "%(token)s, %(ttl)s, %(lease)s)"
 )
 _CLAIM_ATOMIC = _CLAIM.replace("idempotency_claim(", "idempotency_claim_atomic(")
+# An atomic claim that found the scope's lock held (the holder may only be *replaying*): the
+# live completed record, read without the lock. Safe because a completed record is final
+# while it is live (nothing but an operator's reopen changes it, and a claim only inserts when
+# no live record exists): whatever the holder does, this answer is the one a claim serialised
+# just before it would have had. Live is the claim's own test (migration 0002), at this
+# statement's clock; a record found live here but expired for the holder (whose clock may be
+# later) is still one that was live when this request looked. Anything else (no record, in
+# progress, unknown) stays "busy": 409 or a wait, as before.
+_FIND_COMPLETED = (
+    "SELECT false AS claimed, k.fingerprint, k.state::text AS state,"
+    " k.claim_token::text AS claim_token, k.lease_expires_at, k.response_status,"
+    " k.response_headers, k.response_body, k.created_at, k.completed_at, k.expires_at,"
+    " clock_timestamp() AS db_now"
+    " FROM idempotency_keys AS k"
+    " WHERE k.tenant = %(tenant)s AND k.endpoint = %(endpoint)s AND k.key = %(key)s"
+    " AND k.state = 'completed'"
+    " AND (k.expires_at > clock_timestamp()"
+    " OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)"
+    " + (k.expires_at - k.created_at) > clock_timestamp())"
+    " ORDER BY k.created_at DESC LIMIT 1"
+)
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
 # Live as in idempotency_claim() (migration 0002): a TTL from the claim, and a TTL from the
@@ -177,8 +198,12 @@ class PostgresStore(SQLStore):
         parameters = _claim_parameters(scope, fingerprint, ttl, lease=0)
         with _isolation_explained(), translate_errors():
             row = connection.exec_driver_sql(_CLAIM_ATOMIC, parameters).first()
-        if row is None:
-            return None  # the scope's lock is held: a duplicate is running
+            if row is None:
+                # The scope's lock is held: a duplicate is running, or only replaying a
+                # completed record, which this request may replay too (see _FIND_COMPLETED).
+                row = connection.exec_driver_sql(_FIND_COMPLETED, parameters).first()
+                if row is None:
+                    return None
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
