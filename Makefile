@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[sample,tests,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[sample,tests,dev,docs]'
 	touch $(STAMP)
 
 # Every table the sample app needs: the extension's (Alembic) and the app's own.
