@@ -13,8 +13,9 @@ import sqlalchemy as sa
 from .errors import ConfigurationError
 from .sealing import DEFAULT_COMPRESS_MIN, EncryptionKey, parse_keys
 
-#: Config key -> default. README's configuration table documents each of them.
+#: Config key -> default. docs/configuration.md documents each of them (a test checks it).
 DEFAULTS: dict[str, t.Any] = {
+    "IDEMPOTENCY_ENABLED": True,
     "IDEMPOTENCY_DATABASE_URL": None,
     "IDEMPOTENCY_ENGINE": None,
     "IDEMPOTENCY_TTL": 86400,
@@ -85,6 +86,8 @@ class Settings:
     #: Bodies of at least this many bytes are stored compressed; None: never.
     compress_min: int | None = DEFAULT_COMPRESS_MIN
     require_encrypted: bool = False
+    #: False: no view or job is protected (unit tests); no database is needed.
+    enabled: bool = True
 
     @property
     def headers(self) -> tuple[str, ...]:
@@ -211,4 +214,5 @@ class Settings:
             encryption_keys=encryption_keys,
             compress_min=compress_min,
             require_encrypted=require_encrypted,
+            enabled=flag("IDEMPOTENCY_ENABLED"),
         )

@@ -6,11 +6,12 @@ The request flow itself (claim, replay, finish, give up) is :mod:`flask_idem.flo
 
 from __future__ import annotations
 
+import secrets
 import types
 import typing as t
 
 import sqlalchemy as sa
-from flask import Blueprint, Flask, current_app, got_request_exception, request
+from flask import Blueprint, Flask, current_app, g, got_request_exception, request
 from werkzeug.exceptions import InternalServerError
 
 from . import flow, jobs
@@ -85,7 +86,7 @@ class Idempotency:
         settings = Settings.from_mapping(app.config)
         store = self._store or self._build_store(settings)
         store.use_sealer(Sealer.from_settings(settings))
-        if settings.ensure_partitions:
+        if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(store, settings.partitions_ahead)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, LeaseKeeper(store))
         app.cli.add_command(idem_group)
@@ -106,6 +107,10 @@ class Idempotency:
     @staticmethod
     def _build_store(settings: Settings) -> Store:
         target = settings.engine or settings.database_url
+        if target is None and not settings.enabled:
+            # IDEMPOTENCY_ENABLED = False (unit tests): nothing is claimed, so no table is
+            # ever read; idem.connection() still works, on an empty in-memory database.
+            return create_store("sqlite://")
         if target is None:
             raise ConfigurationError(
                 "flask_idem needs a database: set IDEMPOTENCY_DATABASE_URL (e.g. "
@@ -369,6 +374,8 @@ class Idempotency:
 
         :param declared: the options of the ``@idem.idempotent`` guard asking, if any.
         """
+        if not settings.enabled:
+            return None
         if request.method not in settings.methods or request.url_rule is None:
             return None
         if declared is None:
@@ -421,6 +428,8 @@ class Idempotency:
         (see :meth:`side_effect`): the caller is about to use it.
         """
         state = RequestState.current()
+        if (state is None or state.record is None) and not AppState.current().settings.enabled:
+            return _unprotected_key(step)
         if state is None or state.record is None:
             raise RuntimeError(
                 "downstream_key() needs a request or a job that holds an idempotency key"
@@ -444,6 +453,13 @@ class Idempotency:
         if self.options_for(AppState.current().settings) is not None:
             assert endpoint is not None
             current_app.view_functions[endpoint] = flow.guard(view)  # type: ignore[assignment]
+
+
+def _unprotected_key(step: str) -> str:
+    """A downstream key while ``IDEMPOTENCY_ENABLED`` is off: random, the same for a step
+    within one request or job (there is no record to derive it from)."""
+    keys: dict[str, str] = g.setdefault("_flask_idem_unprotected_keys", {})
+    return keys.setdefault(step, f"unprotected-{step}-{secrets.token_hex(12)}")
 
 
 def _mark_crashed(sender: Flask, exception: BaseException, **_: t.Any) -> None:
