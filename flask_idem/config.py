@@ -29,7 +29,7 @@ DEFAULTS: dict[str, t.Any] = {
     "IDEMPOTENCY_MAX_REQUEST_BODY": 1024 * 1024,
     "IDEMPOTENCY_STORED_HEADERS": ("Content-Type", "Location", "Content-Language", "ETag", "Link"),
     "IDEMPOTENCY_NEVER_STORE": (401, 403, 408, 425, 429, 502, 503, 504),
-    "IDEMPOTENCY_PROBLEM_BASE": "https://flask-idem.dev/problems/",
+    "IDEMPOTENCY_PROBLEM_BASE": "tag:flask-idem.readthedocs.io,2026:problems/",
     "IDEMPOTENCY_WAIT": 0,
     "IDEMPOTENCY_PARTITIONS_AHEAD": 7,
     "IDEMPOTENCY_ENSURE_PARTITIONS": False,
