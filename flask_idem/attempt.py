@@ -121,6 +121,10 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
     state.finished = True
     stop_watching(app_state, state)
     rollback(state)
+    if state.atomic:
+        # The claim rolled back with the business transaction: nothing is left to give back.
+        emit(signals.released, state.scope, reason=reason)
+        return
     store = app_state.store
     digest = key_hash(state.scope)
     try:

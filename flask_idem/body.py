@@ -56,6 +56,9 @@ def read_body(request: Request, limit: int) -> bytes:
     environ["wsgi.input"] = io.BytesIO(body)
     environ["CONTENT_LENGTH"] = str(len(body))
     environ.pop("wsgi.input_terminated", None)
+    # The body is no longer chunked: werkzeug reads nothing from a request that still says
+    # "Transfer-Encoding: chunked" but is not input_terminated.
+    environ.pop("HTTP_TRANSFER_ENCODING", None)
     return request.get_data(cache=True)
 
 

@@ -98,9 +98,22 @@ def _function_step() -> Step:
     )
 
 
+#: A table name, optionally schema-qualified: nothing else is ever put into SQL or a comment.
+_TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_$]{0,62}(\.[A-Za-z_][A-Za-z0-9_$]{0,62})?")
+
+
+def _checked(colocate_with: str | None) -> str | None:
+    if colocate_with is not None and not _TABLE_NAME.fullmatch(colocate_with):
+        raise CitusError(
+            "--colocate-with must be a table name (letters, digits, _ and $, optionally "
+            "schema.table)"
+        )
+    return colocate_with
+
+
 def full_plan(colocate_with: str | None = None) -> list[Step]:
     """Every step, as on a database where nothing is distributed yet."""
-    return [_table_step(colocate_with), _function_step()]
+    return [_table_step(_checked(colocate_with)), _function_step()]
 
 
 def plan(connection: sa.Connection, colocate_with: str | None = None) -> list[Step]:
@@ -108,6 +121,7 @@ def plan(connection: sa.Connection, colocate_with: str | None = None) -> list[St
 
     :raises CitusError: when the table is distributed in a way the store cannot use.
     """
+    colocate_with = _checked(colocate_with)
     steps: list[Step] = []
     table = connection.execute(
         sa.text(

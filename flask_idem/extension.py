@@ -263,6 +263,7 @@ class Idempotency:
         fingerprint: FingerprintFunction | None = None,
         recovery: Recovery = "fail",
         declares_effects: bool = False,
+        atomic: bool = False,
         replay: ReplayFunction | None = None,
         key: KeyFunction | None = None,
     ) -> t.Callable[[t.Callable[P, R]], t.Callable[P, R]]: ...
@@ -278,6 +279,7 @@ class Idempotency:
         fingerprint: FingerprintFunction | None = None,
         recovery: Recovery = "fail",
         declares_effects: bool = False,
+        atomic: bool = False,
         replay: ReplayFunction | None = None,
         key: KeyFunction | None = None,
     ) -> t.Any:
@@ -301,6 +303,11 @@ class Idempotency:
             :meth:`side_effect` before any contact with the outside world; a failure before
             that call then gives the key back for a fresh execution. Without it every failure
             leaves the key ``unknown``.
+        :param atomic: claim inside the view's business transaction (``idem.connection()``):
+            the claim, the business rows and the stored response commit once, a failure rolls
+            all of it back (the key is free again), and no lease is kept; a concurrent
+            duplicate still gets 409 at once. Only for views whose effects are all in the
+            database: ``downstream_key()`` and ``side_effect()`` are refused.
         :param replay: a callable ``(stored response) -> response`` building the answer to a
             retry, for responses that must not be replayed verbatim (short-lived signed URLs,
             one-time tokens).
@@ -320,6 +327,7 @@ class Idempotency:
             fingerprint=fingerprint,
             recovery=recovery,
             declares_effects=declares_effects,
+            atomic=atomic,
             replay=replay,
             key=key,
         )
@@ -347,6 +355,7 @@ class Idempotency:
         fingerprint: FingerprintFunction | None = None,
         recovery: Recovery = "fail",
         declares_effects: bool = False,
+        atomic: bool = False,
         replay: ReplayFunction | None = None,
     ) -> None:
         """Protect every view of ``blueprint`` (same options as :meth:`idempotent`).
@@ -364,6 +373,7 @@ class Idempotency:
             fingerprint=fingerprint,
             recovery=recovery,
             declares_effects=declares_effects,
+            atomic=atomic,
             replay=replay,
         )
 
@@ -407,6 +417,7 @@ class Idempotency:
         """
         state = RequestState.current()
         if state is not None:
+            _refuse_in_atomic(state, "side_effect()")
             state.contacted = True
 
     def connection(self) -> sa.Connection:
@@ -434,6 +445,7 @@ class Idempotency:
             raise RuntimeError(
                 "downstream_key() needs a request or a job that holds an idempotency key"
             )
+        _refuse_in_atomic(state, "downstream_key()")
         state.contacted = True
         return derive_key(state.record, step)
 
@@ -460,6 +472,16 @@ def _unprotected_key(step: str) -> str:
     within one request or job (there is no record to derive it from)."""
     keys: dict[str, str] = g.setdefault("_flask_idem_unprotected_keys", {})
     return keys.setdefault(step, f"unprotected-{step}-{secrets.token_hex(12)}")
+
+
+def _refuse_in_atomic(state: RequestState, call: str) -> None:
+    if state.atomic:
+        # A crash rolls an atomic view back and frees its key: an external call made
+        # meanwhile would then run again on the retry. Such a view needs the durable claim.
+        raise RuntimeError(
+            f"{call} in an atomic view: its effects must all be in idem.connection(); "
+            "use @idem.idempotent() without atomic=True for views that call other services"
+        )
 
 
 def _mark_crashed(sender: Flask, exception: BaseException, **_: t.Any) -> None:

@@ -6,7 +6,8 @@ reusing the key for a different request. The fingerprint is the SHA-256 digest o
 
 * The method is upper-cased and view arguments are compared as strings, because that is
   how they reach the view.
-* Query pairs and form fields are sorted, because clients and proxies do not preserve
+* Query pairs and form fields are sorted by name (a repeated field keeps the order of its
+  values, which the view sees), because clients and proxies do not preserve
   their order.
 * JSON bodies are re-serialised with sorted keys and no whitespace, because key order and
   formatting are transport noise.
@@ -95,11 +96,17 @@ def canonical_request(
         method.upper(),
         rule,
         [[name, str(value)] for name, value in sorted(view_args.items())],
-        [[name, value] for name, value in sorted(query)],
+        [[name, value] for name, value in _by_name(query)],
         _canonical_body(body, content_type, exclude, include),
     ]
     text = json.dumps(envelope, ensure_ascii=False, separators=(",", ":"))
     return text.encode("utf-8", "surrogatepass")
+
+
+def _by_name(pairs: t.Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Pairs sorted by name only: the order of fields means nothing, but the order of one
+    field's values does (``request.args["a"]`` is the first ``a``)."""
+    return sorted(pairs, key=lambda pair: pair[0])
 
 
 def fingerprint(
@@ -161,7 +168,7 @@ def _canonical_body(
             return _raw(media_type, body)
         return [
             "form",
-            sorted([name, value] for name, value in pairs if _keep(name, exclude, include)),
+            [[name, value] for name, value in _by_name(pairs) if _keep(name, exclude, include)],
         ]
 
     if media_type == "multipart/form-data":

@@ -53,6 +53,11 @@ operator's release (``reopened``) lets the next retry re-run it, with the same d
 
 A record stays live for its TTL from its claim and for its TTL from the end of its request, so
 an answer that took longer than the TTL still replays for a whole TTL.
+
+An *atomic* view (``@idem.idempotent(atomic=True)``) claims inside its business transaction
+(``_claim_atomic``): the claim, the business rows and the answer commit once, and every failure
+of the table above rolls all of it back, so the key is simply free again (there is no lease,
+nothing is ever ``unknown``). A duplicate that finds the scope locked answers 409 at once.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ from .attempt import (
     emit,
     give_up,
     own,
+    rollback,
     stop_watching,
     store_result,
     take_over,
@@ -213,6 +219,8 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     digest = _fingerprint(options, body)
     ttl = options.ttl or settings.ttl
     deadline = time.monotonic() + settings.wait
+    if options.atomic:
+        return _claim_atomic(app_state, state, options, digest, ttl, deadline)
     while True:
         try:
             result: ClaimResult | Response | None = app_state.store.claim(
@@ -231,6 +239,53 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
         if result is not None:
             own(app_state, state, result, settings.lease)
             return None
+
+
+def _claim_atomic(
+    app_state: AppState,
+    state: RequestState,
+    options: ViewOptions,
+    digest: bytes,
+    ttl: float,
+    deadline: float,
+) -> Response | None:
+    """The claim of an atomic view, inside the business transaction it opens.
+
+    A duplicate holding the scope (PostgreSQL's try-lock) answers 409 at once, or after a
+    bounded wait (``IDEMPOTENCY_WAIT``); an existing record answers as for any view, after
+    the empty transaction is rolled back.
+    """
+    assert state.scope is not None
+    store = app_state.store
+    while True:
+        try:
+            if state.connection is None:
+                state.connection = store.begin()
+            result = store.claim_atomic(state.connection, state.scope, digest, ttl=ttl)
+            if result is not None and result.claimed:
+                state.token, state.record = result.token, result.record
+                emit(signals.claimed, state.scope)
+                return None
+            rollback(state)
+            if result is not None:
+                answer = answer_existing(app_state, result.record, digest, options, deadline)
+                if isinstance(answer, Response):
+                    return answer
+                if answer is not None:  # a reopened record: run it again, durably owned
+                    own(app_state, state, answer, app_state.settings.lease)
+                    return None
+        except StoreUnavailable:
+            log.error("idempotency store unavailable", extra={"key_hash": key_hash(state.scope)})
+            raise StoreUnavailableProblem(
+                "The idempotency store cannot be reached; the request was not executed."
+            ) from None
+        if time.monotonic() >= deadline:
+            emit(signals.conflict, state.scope)
+            raise RequestInProgress(
+                "A request with this idempotency key is still being processed; retry later.",
+                retry_after=IN_FLIGHT_RETRY_AFTER,
+            )
+        time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
 
 
 def answer_existing(
@@ -413,6 +468,10 @@ def response_snapshot(settings: Settings, response: Response) -> StoredResponse 
         for name, value in response.headers.items()
         if name.lower() in settings.stored_headers
     )
+    if any("\x00" in value for _, value in headers):
+        # No database stores a NUL in JSON text (PostgreSQL's jsonb refuses it, and would log
+        # the header in its error context): such an answer is marked unstored instead.
+        return None
     return StoredResponse(response.status_code, headers, body)
 
 

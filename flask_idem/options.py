@@ -42,6 +42,11 @@ class ViewOptions:
     ``idem.side_effect()`` before any contact with the outside world, so that a failure before
     that call provably committed nothing and may give the key back. Without the promise every
     failure leaves the key ``unknown``: the safe default.
+
+    ``atomic`` puts the claim inside the view's business transaction (``idem.connection()``):
+    the claim, the business rows and the stored response commit once, and any failure rolls
+    all of it back, so the key is free again. Only for views whose effects are all in that
+    transaction: external calls are refused.
     """
 
     ttl: float | None = None
@@ -51,6 +56,7 @@ class ViewOptions:
     fingerprint: FingerprintFunction | None = None
     recovery: Recovery = "fail"
     declares_effects: bool = False
+    atomic: bool = False
     replay: ReplayFunction | None = None
     #: Takes the key from the request instead of the header (see ``key=``).
     key: KeyFunction | None = None

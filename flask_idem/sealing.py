@@ -68,7 +68,9 @@ KEY_ID_OFFSET = len(MAGIC) + 3
 #: the time; bench/sealing.py measures it.
 COMPRESS_LEVEL = 6
 #: Never inflate more than this (a row forged into a decompression bomb cannot exhaust memory).
-MAX_PAYLOAD = 64 * 1024 * 1024
+# The largest IDEMPOTENCY_MAX_BODY plus room for its headers: a snapshot the store accepted
+# must always open again.
+MAX_PAYLOAD = 65 * 1024 * 1024
 DEFAULT_COMPRESS_MIN = 1024
 
 KEY_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,16}")

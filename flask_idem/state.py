@@ -65,7 +65,14 @@ class RequestState:
     @property
     def releasable(self) -> bool:
         """Whether a failure now provably committed nothing, so the key may be given back."""
+        if self.atomic:
+            return True  # the claim itself rolls back with everything else
         return self.options is not None and self.options.declares_effects and not self.contacted
+
+    @property
+    def atomic(self) -> bool:
+        """The claim lives in the business transaction (``@idem.idempotent(atomic=True)``)."""
+        return bool(getattr(self.options, "atomic", False))
 
     @classmethod
     def current(cls) -> RequestState | None:

@@ -128,3 +128,24 @@ def test_the_view_reads_the_same_body_and_form_data(app_factory: Factory) -> Non
         environ_overrides={"wsgi.input_terminated": True},
     )
     assert response.get_json() == {"form": {"a": "1", "b": "2"}, "raw": "a=1&b=2"}
+
+
+def test_a_whole_chunked_body_reaches_the_fingerprint_and_the_view(app_factory: Factory) -> None:
+    app, _, counter = app_factory()
+    client = app.test_client()
+
+    def chunked(body: bytes) -> t.Any:
+        environ = {
+            "wsgi.input": io.BytesIO(body),
+            "wsgi.input_terminated": True,
+            "HTTP_TRANSFER_ENCODING": "chunked",
+            "CONTENT_LENGTH": None,
+        }
+        return _post(client, "whole-chunked", **environ)
+
+    first = chunked(BODY)
+    assert first.status_code == 201 and first.get_json()["amount"] == 4200, "the view saw it"
+    other = json.dumps({"amount": 9999, "currency": "usd"}).encode()
+    _problem(chunked(other), 422, "idempotency-key-reused")
+    assert chunked(BODY).headers["Idempotent-Replayed"] == "true"
+    assert counter.calls == 1

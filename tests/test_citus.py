@@ -113,6 +113,14 @@ def exercise(store: SQLStore) -> None:
     token = store.claim(b, FP, ttl=600, lease=30).token
     store.mark_unknown(b, token)
     assert store.reopen(b, token=token)
+    atomic = store.begin()
+    try:
+        claimed = store.claim_atomic(atomic, Scope("tenant-a", "POST /p", "atomic"), FP, ttl=600)
+        assert claimed is not None and claimed.claimed
+        store.complete(claimed.record.scope, claimed.token, RESPONSE, connection=atomic)
+        atomic.commit()
+    finally:
+        atomic.close()
     token = store.claim(e, FP, ttl=600, lease=30).token
     connection = store.begin()
     try:
@@ -440,6 +448,19 @@ def test_citus_command_is_listed(app_factory: Factory) -> None:
     app, _, _ = app_factory()
     result = app.test_cli_runner().invoke(args=["idem", "--help"])
     assert "citus" in result.output
+
+
+@pytest.mark.parametrize(
+    "name", ["payments\nDROP TABLE idempotency_keys; --", "a b", "x;y", "t\x00", "1abc", ""]
+)
+def test_citus_refuses_what_is_not_a_table_name(
+    app_factory: Factory, store: SQLStore, name: str
+) -> None:
+    app, _, _ = app_factory()
+    result = _citus(app, "--dry-run", "--colocate-with", name)
+    assert result.exit_code == 1, result.output
+    assert "must be a table name" in result.output
+    assert "DROP TABLE" not in result.stdout
 
 
 def test_rendered_steps_quote_their_values() -> None:

@@ -593,3 +593,34 @@ def test_reconcile_finds_views_the_extension_wrapped(store: SQLStore) -> None:
     with app.app_context():
         [settlement] = list(reconcile(store.stuck()))
     assert settlement.action.value == "completed"
+
+
+def test_a_header_with_a_nul_is_never_stored_as_json(app_factory: Factory, store: SQLStore) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/nul")
+    @idem.idempotent
+    def nul() -> t.Any:
+        counter.bump()
+        return "made", 201, {"Location": "/p/a\x00b"}
+
+    assert _post(app.test_client(), "/nul").status_code == 201
+    assert _record(store, "/nul").state is State.UNSTORED, "not unknown after a jsonb error"
+    assert _problem(_post(app.test_client(), "/nul")) == "response-not-stored"
+    assert counter.calls == 1
+
+
+def test_a_repeated_query_field_keeps_the_order_of_its_values(app_factory: Factory) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/pick")
+    @idem.idempotent
+    def pick() -> t.Any:
+        counter.bump()
+        return {"a": flask.request.args["a"]}, 201
+
+    client = app.test_client()
+    assert _post(client, "/pick?a=1&a=2&b=x").get_json() == {"a": "1"}
+    assert _post(client, "/pick?b=x&a=1&a=2").headers["Idempotent-Replayed"] == "true"
+    assert _problem(_post(client, "/pick?a=2&a=1&b=x")) == "idempotency-key-reused"
+    assert counter.calls == 1

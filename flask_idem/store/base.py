@@ -55,6 +55,22 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
+    def claim_atomic(
+        self, connection: sa.Connection, scope: Scope, fingerprint: bytes, *, ttl: float
+    ) -> ClaimResult | None:
+        """:meth:`claim` inside the caller's open business transaction (the atomic mode).
+
+        The new record, the caller's business rows and the completion commit together, or
+        not at all: no lease, nothing to release after a crash. The claim's lock on the scope
+        is held until that transaction ends, so a concurrent duplicate is not made to wait
+        for the whole view: on PostgreSQL it gets None at once (SQLite, which has one writer
+        at a time, makes it wait for the commit instead). PostgreSQL refuses it outside READ
+        COMMITTED.
+
+        :returns: the claim, or None when a duplicate holds the scope right now.
+        """
+
+    @abc.abstractmethod
     def complete(
         self,
         scope: Scope,

@@ -69,6 +69,7 @@ _CLAIM = (
     "SELECT * FROM idempotency_claim(%(tenant)s, %(endpoint)s, %(key)s, %(fingerprint)s, "
     "%(token)s, %(ttl)s, %(lease)s)"
 )
+_CLAIM_ATOMIC = _CLAIM.replace("idempotency_claim(", "idempotency_claim_atomic(")
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
 # Live as in idempotency_claim() (migration 0002): a TTL from the claim, and a TTL from the
@@ -86,6 +87,20 @@ _PURGE_DEFAULT = sa.text(
 PURGE_BATCH = 5000
 #: How long upkeep waits for a lock that claims need too (claims queue behind the wait).
 MAINTENANCE_LOCK_TIMEOUT = "200ms"
+
+
+def _claim_parameters(
+    scope: Scope, fingerprint: bytes, ttl: float, lease: float
+) -> dict[str, t.Any]:
+    return {
+        "tenant": scope.tenant,
+        "endpoint": scope.endpoint,
+        "key": scope.key,
+        "fingerprint": fingerprint,
+        "token": new_token(),
+        "ttl": float(ttl),
+        "lease": float(lease),
+    }
 
 
 class PostgresStore(SQLStore):
@@ -125,17 +140,19 @@ class PostgresStore(SQLStore):
                     dbapi_connection.autocommit = False
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
-        parameters = {
-            "tenant": scope.tenant,
-            "endpoint": scope.endpoint,
-            "key": scope.key,
-            "fingerprint": fingerprint,
-            "token": new_token(),
-            "ttl": float(ttl),
-            "lease": float(lease),
-        }
+        parameters = _claim_parameters(scope, fingerprint, ttl, lease)
         with translate_errors(), self.connect() as conn:
             row = conn.exec_driver_sql(_CLAIM, parameters).one()
+        return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
+
+    def claim_atomic(
+        self, connection: sa.Connection, scope: Scope, fingerprint: bytes, *, ttl: float
+    ) -> ClaimResult | None:
+        parameters = _claim_parameters(scope, fingerprint, ttl, lease=0)
+        with translate_errors():
+            row = connection.exec_driver_sql(_CLAIM_ATOMIC, parameters).first()
+        if row is None:
+            return None  # the scope's lock is held: a duplicate is running
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:

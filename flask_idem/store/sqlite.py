@@ -74,12 +74,29 @@ class SQLiteStore(SQLStore):
         return self.engine.begin()
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
+        with translate_errors(), self.connect() as conn:
+            return self._claim(conn, scope, fingerprint, ttl=ttl, lease=lease)
+
+    def claim_atomic(
+        self, connection: sa.Connection, scope: Scope, fingerprint: bytes, *, ttl: float
+    ) -> ClaimResult | None:
+        # The caller's BEGIN IMMEDIATE already holds SQLite's one write lock: a duplicate
+        # waits for it (the busy timeout), then finds this record committed. Never busy here.
+        with translate_errors():
+            return self._claim(connection, scope, fingerprint, ttl=ttl, lease=0)
+
+    def _claim(
+        self, conn: sa.Connection, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float
+    ) -> ClaimResult:
         live = (
             sa.select(*self._returning())
             .where(self._live(scope))
             .order_by(table.c.created_at.desc())
             .limit(1)
         )
+        row = conn.execute(live).first()
+        if row is not None:
+            return ClaimResult(record_from_row(scope, row, self.sealer), claimed=False)
         insert = table.insert().values(
             tenant=scope.tenant,
             endpoint=scope.endpoint,
@@ -91,11 +108,7 @@ class SQLiteStore(SQLStore):
             created_at=self.now(),
             expires_at=self.now_plus(ttl),
         )
-        with translate_errors(), self.connect() as conn:
-            row = conn.execute(live).first()
-            if row is not None:
-                return ClaimResult(record_from_row(scope, row, self.sealer), claimed=False)
-            row = conn.execute(insert.returning(*self._returning())).one()
+        row = conn.execute(insert.returning(*self._returning())).one()
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=True)
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:

@@ -1,0 +1,337 @@
+"""The atomic mode: the claim, the business rows and the stored response commit once.
+
+In process on both databases (outcomes, SQL budget, refused external calls), then under
+gunicorn with real processes: concurrent duplicates from 16 client threads in 8 processes for
+50 keys, and a worker killed mid-view, which must leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import typing as t
+from pathlib import Path
+
+import flask
+import pytest
+import sqlalchemy as sa
+
+from flask_idem import Idempotency, Scope, StoreUnavailable
+from flask_idem.store import SQLStore, create_engine
+
+from . import atomic_app
+from .conftest import Counter, count_statements
+from .pgcluster import ROOT, free_port
+
+Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
+ledger = sa.Table(
+    "atomic_ledger",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("note", sa.String(32), nullable=False),
+)
+
+
+@pytest.fixture
+def business(store: SQLStore) -> t.Iterator[sa.Table]:
+    ledger.metadata.create_all(store.engine)
+    yield ledger
+    ledger.metadata.drop_all(store.engine)
+
+
+def _rows(store: SQLStore, table: sa.Table) -> int:
+    with store.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
+
+
+def _records(store: SQLStore) -> int:
+    with store.engine.connect() as conn:
+        return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())
+
+
+def _post(client: t.Any, path: str, key: str = "k") -> t.Any:
+    return client.post(path, json={"n": 1}, headers={"Idempotency-Key": key})
+
+
+def test_one_commit_replay_and_mismatch(
+    app_factory: Factory, store: SQLStore, business: sa.Table
+) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/write")
+    @idem.idempotent(atomic=True)
+    def write() -> t.Any:
+        counter.bump()
+        idem.connection().execute(business.insert().values(note="paid"))
+        return {"ok": True}, 201
+
+    client = app.test_client()
+    commits: list[object] = []
+
+    def committed(connection: object) -> None:
+        commits.append(connection)
+
+    sa.event.listen(store.engine, "commit", committed)
+    try:
+        with count_statements(store.engine) as seen:
+            first = _post(client, "/write")
+    finally:
+        sa.event.remove(store.engine, "commit", committed)
+    assert first.status_code == 201
+    assert len(commits) == 1, "claim, business row and stored response: one commit"
+    if store.dialect == "postgresql":
+        # The claim, the business INSERT and the completion: nothing else on the wire.
+        assert len(seen) == 3 and "idempotency_claim_atomic" in seen[0], seen
+    assert _post(client, "/write").headers["Idempotent-Replayed"] == "true"
+    mismatch = client.post("/write", json={"n": 2}, headers={"Idempotency-Key": "k"})
+    assert mismatch.status_code == 422
+    assert counter.calls == 1 and _rows(store, business) == 1
+
+
+@pytest.mark.parametrize("failure", ["raise", "503", "downstream_key", "side_effect"])
+def test_a_failure_leaves_nothing_and_the_retry_runs(
+    app_factory: Factory, store: SQLStore, business: sa.Table, failure: str
+) -> None:
+    app, idem, counter = app_factory()
+
+    @app.post("/write")
+    @idem.idempotent(atomic=True)
+    def write() -> t.Any:
+        idem.connection().execute(business.insert().values(note="half"))
+        if counter.bump() == 1:
+            if failure == "raise":
+                raise RuntimeError("half-way")
+            if failure == "503":
+                return "busy", 503
+            getattr(idem, failure)(*(["charge"] if failure == "downstream_key" else []))
+        return "done", 201
+
+    client = app.test_client()
+    first = _post(client, "/write")
+    assert first.status_code in (500, 503)
+    assert _records(store) == 0 and _rows(store, business) == 0, "nothing committed"
+    assert _post(client, "/write").status_code == 201
+    assert _rows(store, business) == 1 and counter.calls == 2
+
+
+def test_an_external_call_is_refused_loudly(app_factory: Factory, caplog: t.Any) -> None:
+    app, idem, _ = app_factory()
+    app.config["PROPAGATE_EXCEPTIONS"] = True
+
+    @app.post("/charge")
+    @idem.idempotent(atomic=True)
+    def charge() -> t.Any:
+        idem.downstream_key("charge")
+        return "charged", 201
+
+    with pytest.raises(RuntimeError, match="atomic view"):
+        _post(app.test_client(), "/charge")
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_duplicate_gets_409_at_once_while_the_first_runs(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    app, idem, counter = app_factory()
+    inside, release = threading.Event(), threading.Event()
+
+    @app.post("/slow")
+    @idem.idempotent(atomic=True)
+    def slow() -> t.Any:
+        counter.bump()
+        inside.set()
+        release.wait(10)
+        return "done", 201
+
+    first: list[t.Any] = []
+    thread = threading.Thread(target=lambda: first.append(_post(app.test_client(), "/slow")))
+    thread.start()
+    assert inside.wait(10)
+    started = time.monotonic()
+    duplicate = _post(app.test_client(), "/slow")
+    assert time.monotonic() - started < 2, "never a wait on the first request's lock"
+    assert duplicate.status_code == 409 and duplicate.headers["Retry-After"] == "1"
+    release.set()
+    thread.join()
+    assert first[0].status_code == 201
+    assert _post(app.test_client(), "/slow").headers["Idempotent-Replayed"] == "true"
+    assert counter.calls == 1
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_repeatable_read_is_refused(store: SQLStore) -> None:
+    connection = store.begin()
+    try:
+        connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        with pytest.raises(StoreUnavailable) as refused:
+            store.claim_atomic(connection, Scope("t", "POST /x", "k"), b"f" * 32, ttl=60)
+        assert "needs READ COMMITTED" in str(refused.value.__cause__)
+    finally:
+        connection.close()
+
+
+# -- real processes -----------------------------------------------------------------------------
+
+
+class _Gunicorn:
+    def __init__(self, url: str, workdir: Path, **env: str) -> None:
+        self.port = free_port()
+        self.log = workdir / "gunicorn.log"
+        command = [
+            str(Path(sys.executable).with_name("gunicorn")),
+            *("-w", "4", "--threads", "4", "-b", f"127.0.0.1:{self.port}"),
+            *("--graceful-timeout", "2", "--no-control-socket"),
+            "tests.atomic_app:create_app()",
+        ]
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env={**os.environ, "DATABASE_URL": url, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=2).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError(f"gunicorn did not listen:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=15)
+
+
+def order(port: int, key: str, reference: str, timeout: float = 30) -> tuple[int, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request(
+            "POST",
+            "/orders",
+            body=json.dumps({"reference": reference}),
+            headers={
+                "Idempotency-Key": key,
+                "X-Tenant": "alpha",
+                "Content-Type": "application/json",
+            },
+        )
+        response = connection.getresponse()
+        response.read()
+        return response.status, response.getheader("Idempotent-Replayed") or ""
+    finally:
+        connection.close()
+
+
+def _client_process(port: int, keys: list[str], start: t.Any, answers: t.Any) -> None:
+    """One of 8 client processes: 2 threads each send every key once, released together."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for key in keys:
+            start.wait()
+            for status, replayed in pool.map(order, [port] * 2, [key] * 2, [key] * 2):
+                answers.put((key, status, replayed))
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def atomic_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    from flask_idem.migrate import upgrade
+
+    if request.param == "postgresql":
+        url = str(request.getfixturevalue("fresh_pg_database")())
+    else:
+        url = f"sqlite:///{tmp_path / 'atomic.sqlite3'}"
+    upgrade(url)
+    return url
+
+
+def test_16_threads_in_8_processes_on_one_key_write_one_row(
+    atomic_url: str, tmp_path: Path
+) -> None:
+    server = _Gunicorn(atomic_url, tmp_path)
+    keys = [f"order-{n}" for n in range(50)]
+    context = multiprocessing.get_context("spawn")
+    start, answers = context.Barrier(8), context.Queue()
+    clients = [
+        context.Process(target=_client_process, args=(server.port, keys, start, answers))
+        for _ in range(8)
+    ]
+    try:
+        for client in clients:
+            client.start()
+        seen = [answers.get(timeout=120) for _ in range(16 * len(keys))]
+        for client in clients:
+            client.join(timeout=30)
+    finally:
+        server.stop()
+    assert {status for _, status, _ in seen} <= {201, 409}, seen
+    for key in keys:
+        fresh = [s for k, s, replayed in seen if k == key and s == 201 and not replayed]
+        assert len(fresh) == 1, (key, [a for a in seen if a[0] == key])
+    engine = create_engine(atomic_url)
+    try:
+        with engine.connect() as conn:
+            counts = conn.execute(
+                sa.select(atomic_app.orders.c.reference, sa.func.count()).group_by(
+                    atomic_app.orders.c.reference
+                )
+            ).all()
+    finally:
+        engine.dispose()
+    assert sorted(counts) == sorted((key, 1) for key in keys), "exactly one row per key"
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_a_worker_killed_mid_view_leaves_nothing_and_the_retry_runs_once(
+    atomic_url: str, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "worker.pid"
+    server = _Gunicorn(atomic_url, tmp_path, ATOMIC_APP_SLEEP="30", ATOMIC_APP_PIDFILE=str(pidfile))
+    engine = create_engine(atomic_url)
+    try:
+        lost: list[t.Any] = []
+
+        def first() -> None:
+            try:
+                lost.append(order(server.port, "killed", "killed"))
+            except (OSError, http.client.HTTPException) as exc:
+                lost.append(exc)
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        deadline = time.monotonic() + 15
+        while not pidfile.exists():
+            assert time.monotonic() < deadline, "the view never started"
+            time.sleep(0.05)
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        thread.join(timeout=15)
+        assert isinstance(lost[0], Exception), lost
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar() == 0
+            assert (
+                conn.execute(sa.select(sa.func.count()).select_from(atomic_app.orders)).scalar()
+                == 0
+            )
+        pidfile.unlink()
+    finally:
+        server.stop()
+    again = _Gunicorn(atomic_url, tmp_path)
+    try:
+        assert order(again.port, "killed", "killed") == (201, "")
+        assert order(again.port, "killed", "killed") == (201, "true")
+    finally:
+        again.stop()
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(atomic_app.orders)).scalar() == 1
+    engine.dispose()
