@@ -31,6 +31,7 @@ from .options import (
     ViewOptions,
 )
 from .sealing import Sealer
+from .sessions import FlaskSQLAlchemySessions, resolve
 from .state import EXTENSION_NAME, AppState, RequestState
 from .store import Store, create_store
 
@@ -50,6 +51,12 @@ class Idempotency:
         ``IDEMPOTENCY_DATABASE_URL``.
     :param tenant: a callable returning the authenticated tenant of the current request
         (for example from ``flask.g``); see also :meth:`tenant_resolver`.
+    :param db: the application's Flask-SQLAlchemy ``SQLAlchemy``: the store runs on its
+        engine and ``db.session`` is the business transaction of protected requests (see
+        :mod:`flask_idem.sessions`). Without ``db``, ``store`` or a configured database, a
+        Flask-SQLAlchemy registered on the app is used the same way.
+    :param bind_key: the Flask-SQLAlchemy bind holding flask_idem's table (default: the
+        ``SQLALCHEMY_DATABASE_URI`` one).
     """
 
     def __init__(
@@ -58,8 +65,14 @@ class Idempotency:
         *,
         store: Store | None = None,
         tenant: t.Callable[[], str | None] | None = None,
+        db: t.Any = None,
+        bind_key: str | None = None,
     ) -> None:
+        if db is not None and store is not None:
+            raise ConfigurationError("pass either db= or store= to Idempotency, not both")
         self._store = store
+        self._db = db
+        self._bind_key = bind_key
         self._tenant = tenant
         self._blueprints: dict[Blueprint, ViewOptions] = {}
         self._reconcilers: dict[ReconcilerTarget, Reconciler] = {}
@@ -84,11 +97,16 @@ class Idempotency:
         if EXTENSION_NAME in app.extensions:
             raise RuntimeError("flask_idem is already registered on this application")
         settings = Settings.from_mapping(app.config)
-        store = self._store or self._build_store(settings)
+        sessions = self._sessions(app, settings)
+        store = self._store or (
+            create_store(sessions.engine(app)) if sessions else self._build_store(settings)
+        )
         store.use_sealer(Sealer.from_settings(settings))
         if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(store, settings.partitions_ahead)
-        app.extensions[EXTENSION_NAME] = AppState(self, settings, store, LeaseKeeper(store))
+        app.extensions[EXTENSION_NAME] = AppState(
+            self, settings, store, LeaseKeeper(store), sessions=sessions
+        )
         app.cli.add_command(idem_group)
         if settings.blueprint_prefix is not None:
             app.register_blueprint(create_blueprint(self), url_prefix=settings.blueprint_prefix)
@@ -103,6 +121,18 @@ class Idempotency:
         # A store failure anywhere in a request (``idem.connection()`` in any view) fails
         # closed with 503, never with a 500 and a traceback.
         app.register_error_handler(StoreUnavailable, flow.store_unavailable)
+
+    def _sessions(self, app: Flask, settings: Settings) -> FlaskSQLAlchemySessions | None:
+        """Flask-SQLAlchemy's sessions: given with ``db=``, or detected when nothing else
+        names a database."""
+        if self._store is not None:
+            return None
+        if self._db is None and (settings.engine or settings.database_url):
+            return None
+        sessions = resolve(app, self._db, self._bind_key)
+        if sessions is not None:
+            sessions.install()
+        return sessions
 
     @staticmethod
     def _build_store(settings: Settings) -> Store:
@@ -426,10 +456,7 @@ class Idempotency:
         Writes made here commit in the same transaction as the stored response (no crash
         window between them), or roll back with it when the attempt fails.
         """
-        state = RequestState.ensure()
-        if state.connection is None:
-            state.connection = AppState.current().store.begin()
-        return state.connection
+        return AppState.current().begin(RequestState.ensure())
 
     def downstream_key(self, step: str) -> str:
         """A deterministic key for a downstream call (payment provider) of this operation.

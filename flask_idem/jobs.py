@@ -149,8 +149,7 @@ def _attached(state: RequestState) -> t.Iterator[RequestState]:
     try:
         yield state
     finally:
-        if state.connection is not None:
-            state.connection.close()
+        state.close()
         if outer is None:
             RequestState.detach()
         else:
@@ -164,7 +163,7 @@ def _unprotected(function: t.Callable[..., t.Any], call: inspect.BoundArguments)
         value = current_app.ensure_sync(function)(*call.args, **call.kwargs)
         if state.connection is not None:
             with translate_errors():
-                state.connection.commit()
+                state.commit()
         return value
 
 
