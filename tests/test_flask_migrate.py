@@ -148,9 +148,9 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(tmp_path: Path, app_url
     assert len(_versions(app_url)) == 1
 
 
-def test_flask_idem_db_commands_without_flask_migrate(db_url_empty: str) -> None:
+def test_flask_idem_db_commands_without_flask_migrate(app_url: str) -> None:
     app = Flask("standalone")
-    app.config["IDEMPOTENCY_DATABASE_URL"] = db_url_empty
+    app.config["IDEMPOTENCY_DATABASE_URL"] = app_url
     idem = Idempotency(app)
     runner = app.test_cli_runner()
     try:
@@ -159,7 +159,7 @@ def test_flask_idem_db_commands_without_flask_migrate(db_url_empty: str) -> None
         assert HEAD not in result.output
         result = runner.invoke(args=["idem", "db", "upgrade"])
         assert result.exit_code == 0, result.output
-        tables = _tables(db_url_empty)
+        tables = _tables(app_url)
         assert {TABLE_NAME, VERSION_TABLE} <= tables and "alembic_version" not in tables
         result = runner.invoke(args=["idem", "db", "current"])
         assert result.exit_code == 0 and f"{HEAD} (head)" in result.output, result.output
@@ -169,17 +169,10 @@ def test_flask_idem_db_commands_without_flask_migrate(db_url_empty: str) -> None
         assert f"{HEAD} (head)" not in result.output
         result = runner.invoke(args=["idem", "db", "downgrade", "base"])
         assert result.exit_code == 0, result.output
-        assert TABLE_NAME not in _tables(db_url_empty)
+        assert TABLE_NAME not in _tables(app_url)
     finally:
         app.extensions["idempotency"].store.engine.dispose()
         del idem
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url_empty(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/standalone.sqlite3"
-    return str(request.getfixturevalue("fresh_pg_database")())
 
 
 def test_version_location_keeps_the_application_directory_first() -> None:
