@@ -9,14 +9,14 @@ DEV_DATABASE_URL := sqlite:///$(CURDIR)/instance/flask_idem.sqlite3
 PORT ?= 5000
 WITH_DATABASE_URL = DATABASE_URL="$${DATABASE_URL:-$(DEV_DATABASE_URL)}"
 
-.PHONY: install test run migrate pg-start pg-stop lint bench bench-quick clean
+.PHONY: install test docs run migrate pg-start pg-stop lint bench bench-quick clean
 
 install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[sample,tests,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[sample,tests,dev,docs]'
 	touch $(STAMP)
 
 # Every table the sample app needs: the extension's (Alembic) and the app's own.
@@ -34,6 +34,11 @@ run: migrate
 test: install
 	@$(BIN)/python -m tests.pgcluster check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The documentation site (Sphinx, furo, MyST) under docs/_build/html; warnings are errors. It
+# needs no network: intersphinx reads local inventories (DOCS_INTERSPHINX=online fetches them).
+docs: install
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
 pg-start: install
 	@$(BIN)/python -m tests.pgcluster start dev
@@ -61,4 +66,4 @@ bench-quick: install
 	$(BIN)/python -m bench run --quick $(BENCH_ARGS)
 
 clean: pg-stop
-	rm -rf $(VENV) .pg instance build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .pg instance build dist docs/_build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

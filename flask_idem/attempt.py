@@ -78,6 +78,8 @@ def own(app_state: AppState, state: RequestState, claim: ClaimResult, lease: flo
     state.token = claim.token
     state.record = claim.record
     state.watch = app_state.keeper.watch(claim.record, lease)
+    if app_state.sessions is not None:
+        app_state.begin(state)  # db.session's transaction carries the business writes
     emit(signals.claimed, state.scope)
 
 
@@ -105,12 +107,12 @@ def store_result(app_state: AppState, state: RequestState, snapshot: StoredRespo
         if stored:
             state.finished = True  # from here the commit is ours (see flow's atomic guard)
             try:
-                state.connection.commit()
+                state.commit()
             except sa.exc.SQLAlchemyError as exc:
                 raise CommitUncertain(f"commit failed: {type(exc).__name__}") from exc
         else:
             with translate_errors():
-                state.connection.rollback()
+                state.rollback()
     state.finished = True
     return stored
 
@@ -168,6 +170,6 @@ def stop_watching(app_state: AppState, state: RequestState) -> None:
 def rollback(state: RequestState) -> None:
     if state.connection is not None:
         try:
-            state.connection.rollback()
+            state.rollback()
         except sa.exc.SQLAlchemyError:
             log.warning("rollback of the business transaction failed", exc_info=True)

@@ -22,6 +22,7 @@ from . import citus
 from .audit import AuditReport, Discrepancy, DownstreamRecord, Finding, audit
 from .errors import IdempotencyError
 from .keys import key_hash
+from .migrate import db_group
 from .reconcile import Action, Settlement, reconcile
 from .record import KeyUsage, MaintenanceReport, Record, Scope, State
 from .sealing import KEY_ID_PATTERN, KEY_ID_SIZE, generate_key
@@ -36,6 +37,7 @@ PROGRESS_AFTER = 20
 idem_group = AppGroup(
     "idem", help="Operate flask_idem: partitions, stuck requests, inspection, reconciliation."
 )
+idem_group.add_command(db_group)
 
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print JSON for scripts instead of text."

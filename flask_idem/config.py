@@ -13,8 +13,9 @@ import sqlalchemy as sa
 from .errors import ConfigurationError
 from .sealing import DEFAULT_COMPRESS_MIN, EncryptionKey, parse_keys
 
-#: Config key -> default. README's configuration table documents each of them.
+#: Config key -> default. docs/configuration.md documents each of them (a test checks it).
 DEFAULTS: dict[str, t.Any] = {
+    "IDEMPOTENCY_ENABLED": True,
     "IDEMPOTENCY_DATABASE_URL": None,
     "IDEMPOTENCY_ENGINE": None,
     "IDEMPOTENCY_TTL": 86400,
@@ -28,7 +29,7 @@ DEFAULTS: dict[str, t.Any] = {
     "IDEMPOTENCY_MAX_REQUEST_BODY": 1024 * 1024,
     "IDEMPOTENCY_STORED_HEADERS": ("Content-Type", "Location", "Content-Language", "ETag", "Link"),
     "IDEMPOTENCY_NEVER_STORE": (401, 403, 408, 425, 429, 502, 503, 504),
-    "IDEMPOTENCY_PROBLEM_BASE": "https://flask-idem.dev/problems/",
+    "IDEMPOTENCY_PROBLEM_BASE": "tag:flask-idem.readthedocs.io,2026:problems/",
     "IDEMPOTENCY_WAIT": 0,
     "IDEMPOTENCY_PARTITIONS_AHEAD": 7,
     "IDEMPOTENCY_ENSURE_PARTITIONS": False,
@@ -85,6 +86,8 @@ class Settings:
     #: Bodies of at least this many bytes are stored compressed; None: never.
     compress_min: int | None = DEFAULT_COMPRESS_MIN
     require_encrypted: bool = False
+    #: False: no view or job is protected (unit tests); no database is needed.
+    enabled: bool = True
 
     @property
     def headers(self) -> tuple[str, ...]:
@@ -211,4 +214,5 @@ class Settings:
             encryption_keys=encryption_keys,
             compress_min=compress_min,
             require_encrypted=require_encrypted,
+            enabled=flag("IDEMPOTENCY_ENABLED"),
         )

@@ -6,11 +6,12 @@ The request flow itself (claim, replay, finish, give up) is :mod:`flask_idem.flo
 
 from __future__ import annotations
 
+import secrets
 import types
 import typing as t
 
 import sqlalchemy as sa
-from flask import Blueprint, Flask, current_app, got_request_exception, request
+from flask import Blueprint, Flask, current_app, g, got_request_exception, request
 from werkzeug.exceptions import InternalServerError
 
 from . import flow, jobs
@@ -30,6 +31,7 @@ from .options import (
     ViewOptions,
 )
 from .sealing import Sealer
+from .sessions import FlaskSQLAlchemySessions, resolve
 from .state import EXTENSION_NAME, AppState, RequestState
 from .store import Store, create_store
 
@@ -49,6 +51,12 @@ class Idempotency:
         ``IDEMPOTENCY_DATABASE_URL``.
     :param tenant: a callable returning the authenticated tenant of the current request
         (for example from ``flask.g``); see also :meth:`tenant_resolver`.
+    :param db: the application's Flask-SQLAlchemy ``SQLAlchemy``: the store runs on its
+        engine and ``db.session`` is the business transaction of protected requests (see
+        :mod:`flask_idem.sessions`). Without ``db``, ``store`` or a configured database, a
+        Flask-SQLAlchemy registered on the app is used the same way.
+    :param bind_key: the Flask-SQLAlchemy bind holding flask_idem's table (default: the
+        ``SQLALCHEMY_DATABASE_URI`` one).
     """
 
     def __init__(
@@ -57,8 +65,14 @@ class Idempotency:
         *,
         store: Store | None = None,
         tenant: t.Callable[[], str | None] | None = None,
+        db: t.Any = None,
+        bind_key: str | None = None,
     ) -> None:
+        if db is not None and store is not None:
+            raise ConfigurationError("pass either db= or store= to Idempotency, not both")
         self._store = store
+        self._db = db
+        self._bind_key = bind_key
         self._tenant = tenant
         self._blueprints: dict[Blueprint, ViewOptions] = {}
         self._reconcilers: dict[ReconcilerTarget, Reconciler] = {}
@@ -83,11 +97,16 @@ class Idempotency:
         if EXTENSION_NAME in app.extensions:
             raise RuntimeError("flask_idem is already registered on this application")
         settings = Settings.from_mapping(app.config)
-        store = self._store or self._build_store(settings)
+        sessions = self._sessions(app, settings)
+        store = self._store or (
+            create_store(sessions.engine(app)) if sessions else self._build_store(settings)
+        )
         store.use_sealer(Sealer.from_settings(settings))
-        if settings.ensure_partitions:
+        if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(store, settings.partitions_ahead)
-        app.extensions[EXTENSION_NAME] = AppState(self, settings, store, LeaseKeeper(store))
+        app.extensions[EXTENSION_NAME] = AppState(
+            self, settings, store, LeaseKeeper(store), sessions=sessions
+        )
         app.cli.add_command(idem_group)
         if settings.blueprint_prefix is not None:
             app.register_blueprint(create_blueprint(self), url_prefix=settings.blueprint_prefix)
@@ -103,9 +122,25 @@ class Idempotency:
         # closed with 503, never with a 500 and a traceback.
         app.register_error_handler(StoreUnavailable, flow.store_unavailable)
 
+    def _sessions(self, app: Flask, settings: Settings) -> FlaskSQLAlchemySessions | None:
+        """Flask-SQLAlchemy's sessions: given with ``db=``, or detected when nothing else
+        names a database."""
+        if self._store is not None:
+            return None
+        if self._db is None and (settings.engine or settings.database_url):
+            return None
+        sessions = resolve(app, self._db, self._bind_key)
+        if sessions is not None:
+            sessions.install()
+        return sessions
+
     @staticmethod
     def _build_store(settings: Settings) -> Store:
         target = settings.engine or settings.database_url
+        if target is None and not settings.enabled:
+            # IDEMPOTENCY_ENABLED = False (unit tests): nothing is claimed, so no table is
+            # ever read; idem.connection() still works, on an empty in-memory database.
+            return create_store("sqlite://")
         if target is None:
             raise ConfigurationError(
                 "flask_idem needs a database: set IDEMPOTENCY_DATABASE_URL (e.g. "
@@ -379,6 +414,8 @@ class Idempotency:
 
         :param declared: the options of the ``@idem.idempotent`` guard asking, if any.
         """
+        if not settings.enabled:
+            return None
         if request.method not in settings.methods or request.url_rule is None:
             return None
         if declared is None:
@@ -419,10 +456,7 @@ class Idempotency:
         Writes made here commit in the same transaction as the stored response (no crash
         window between them), or roll back with it when the attempt fails.
         """
-        state = RequestState.ensure()
-        if state.connection is None:
-            state.connection = AppState.current().store.begin()
-        return state.connection
+        return AppState.current().begin(RequestState.ensure())
 
     def downstream_key(self, step: str) -> str:
         """A deterministic key for a downstream call (payment provider) of this operation.
@@ -432,6 +466,8 @@ class Idempotency:
         (see :meth:`side_effect`): the caller is about to use it.
         """
         state = RequestState.current()
+        if (state is None or state.record is None) and not AppState.current().settings.enabled:
+            return _unprotected_key(step)
         if state is None or state.record is None:
             raise RuntimeError(
                 "downstream_key() needs a request or a job that holds an idempotency key"
@@ -456,6 +492,13 @@ class Idempotency:
         if self.options_for(AppState.current().settings) is not None:
             assert endpoint is not None
             current_app.view_functions[endpoint] = flow.guard(view)  # type: ignore[assignment]
+
+
+def _unprotected_key(step: str) -> str:
+    """A downstream key while ``IDEMPOTENCY_ENABLED`` is off: random, the same for a step
+    within one request or job (there is no record to derive it from)."""
+    keys: dict[str, str] = g.setdefault("_flask_idem_unprotected_keys", {})
+    return keys.setdefault(step, f"unprotected-{step}-{secrets.token_hex(12)}")
 
 
 def _refuse_in_atomic(state: RequestState, call: str) -> None:

@@ -260,10 +260,11 @@ def _claim_atomic(
     store = app_state.store
     while True:
         try:
-            if state.connection is None:
-                state.connection = store.begin()
-                sa.event.listen(state.connection, "commit", _forbid_commit)
-            result = store.claim_atomic(state.connection, state.scope, digest, ttl=ttl)
+            fresh = state.connection is None
+            connection = app_state.begin(state)
+            if fresh:
+                sa.event.listen(connection, "commit", _forbid_commit)
+            result = store.claim_atomic(connection, state.scope, digest, ttl=ttl)
             if result is not None and result.claimed:
                 state.token, state.record = result.token, result.record
                 emit(signals.claimed, state.scope)
@@ -359,7 +360,7 @@ def _start(state: RequestState) -> RequestState:
     """Attach the request's state, keeping a business transaction opened before the claim."""
     earlier = RequestState.current()
     if earlier is not None:
-        state.connection = earlier.connection
+        state.connection, state.session = earlier.connection, earlier.session
     state.attach()
     return state
 
@@ -422,7 +423,11 @@ def _fingerprint(options: ViewOptions, body: bytes) -> bytes:
 
 def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseReturnValue:
     try:
-        return t.cast(ResponseReturnValue, call(*args, **kwargs))
+        answer = t.cast(ResponseReturnValue, call(*args, **kwargs))
+        state = RequestState.current()
+        if state is not None:
+            state.flush()  # db.session's ORM writes: a failure here is the view's
+        return answer
     except HTTPException:
         raise  # abort(404), raise Problem(...): an answer like a returned one
     except BaseException:
@@ -567,8 +572,7 @@ def teardown(exc: BaseException | None) -> None:
         if state.token is not None and not state.finished:
             give_up(AppState.current(), state, "the request ended without an answer")
     finally:
-        if state.connection is not None:
-            state.connection.close()
+        state.close()
         RequestState.detach()
 
 
@@ -625,4 +629,4 @@ def _problem_response(app_state: AppState, state: RequestState, problem: Problem
 def _commit(state: RequestState) -> None:
     if state.connection is not None:
         with translate_errors():
-            state.connection.commit()
+            state.commit()

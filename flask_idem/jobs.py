@@ -39,6 +39,7 @@ keys; under ``recovery="fail"`` a redelivery raises ``JobOutcomePending`` until 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -73,6 +74,7 @@ from .keys import check_key, key_hash
 from .options import JobArgument, JobOptions
 from .record import Record, Scope, StoredResponse
 from .state import AppState, RequestState
+from .store.sql import translate_errors
 
 P = t.ParamSpec("P")
 R = t.TypeVar("R")
@@ -126,23 +128,41 @@ def _run(
     options: JobOptions, function: t.Callable[..., t.Any], call: inspect.BoundArguments
 ) -> t.Any:
     app_state = AppState.current()
+    if not app_state.settings.enabled:
+        return _unprotected(function, call)
     scope = Scope(_tenant(options, call), options.endpoint, _key(options, call))
-    # A job run from a view or from another job keeps the outer state for afterwards.
-    outer = RequestState.current()
-    state = RequestState(scope, options)
-    state.attach()
-    try:
+    with _attached(RequestState(scope, options)) as state:
         stored = _claim(app_state, state, _fingerprint(options, call))
         if stored is not None:
             return _replayed(stored)
         return _execute(app_state, state, current_app.ensure_sync(function), call)
+
+
+@contextlib.contextmanager
+def _attached(state: RequestState) -> t.Iterator[RequestState]:
+    """The job's state on ``flask.g`` while it runs; a job run from a view or from another job
+    gives the outer state back afterwards."""
+    outer = RequestState.current()
+    state.attach()
+    try:
+        yield state
     finally:
-        if state.connection is not None:
-            state.connection.close()
+        state.close()
         if outer is None:
             RequestState.detach()
         else:
             outer.attach()
+
+
+def _unprotected(function: t.Callable[..., t.Any], call: inspect.BoundArguments) -> t.Any:
+    """``IDEMPOTENCY_ENABLED`` off: the job runs as a plain function; what it wrote through
+    ``idem.connection()`` commits when it returns and rolls back when it raises."""
+    with _attached(RequestState(None, None)) as state:
+        value = current_app.ensure_sync(function)(*call.args, **call.kwargs)
+        if state.connection is not None:
+            with translate_errors():
+                state.commit()
+        return value
 
 
 def _claim(app_state: AppState, state: RequestState, digest: bytes) -> Record | None:

@@ -20,12 +20,23 @@ from .lease import LeaseKeeper, Watch
 from .options import JobOptions, ViewOptions
 from .record import Record, Scope
 from .store import Store
+from .store.sql import translate_errors
 
 if t.TYPE_CHECKING:
     from .extension import Idempotency
 
 EXTENSION_NAME = "idempotency"
 _REQUEST_STATE = "_flask_idem"
+#: ``session.info`` key of the request state whose business transaction a session carries.
+SESSION_STATE = "flask_idem.request"
+
+
+class SessionSource(t.Protocol):
+    """Where the business sessions come from (see :mod:`flask_idem.sqlalchemy`)."""
+
+    @property
+    def scoped(self) -> t.Any:
+        """The application's ``db.session`` (a ``scoped_session``)."""
 
 
 @dataclasses.dataclass
@@ -36,6 +47,25 @@ class AppState:
     settings: Settings
     store: Store
     keeper: LeaseKeeper
+    #: The application's Flask-SQLAlchemy session (``Idempotency(db=...)``): the business
+    #: transaction of every protected request, None for the store's own connections.
+    sessions: SessionSource | None = None
+
+    def begin(self, state: RequestState) -> sa.Connection:
+        """The request's business transaction, opened on first use: the connection of the
+        application's ``db.session`` (with ``db=``), else one of its own on the store."""
+        if state.connection is None:
+            if self.sessions is not None:
+                session = self.sessions.scoped()
+                with translate_errors():
+                    state.connection = session.connection(
+                        bind_arguments={"bind": self.store.engine}
+                    )
+                state.session = session
+                session.info[SESSION_STATE] = state
+            else:
+                state.connection = self.store.begin()
+        return state.connection
 
     @classmethod
     def current(cls) -> AppState:
@@ -61,6 +91,43 @@ class RequestState:
     finished: bool = False
     #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``).
     echo: str | None = None
+    #: The Flask-SQLAlchemy session whose transaction ``connection`` is (``db=``), if any.
+    session: t.Any = None
+    #: True while flask_idem itself commits or rolls the session back.
+    settling: bool = False
+
+    def flush(self) -> None:
+        """Write the session's pending ORM changes into the business transaction."""
+        if self.session is not None:
+            self.session.flush()
+
+    def commit(self) -> None:
+        """Commit the business transaction (through the session: pending changes included)."""
+        self._settle("commit")
+
+    def rollback(self) -> None:
+        """Roll the business transaction back (through the session, if any)."""
+        self._settle("rollback")
+
+    def _settle(self, how: str) -> None:
+        target = self.session if self.session is not None else self.connection
+        if target is None:
+            return
+        self.settling = True
+        try:
+            getattr(target, how)()
+        finally:
+            self.settling = False
+
+    def close(self) -> None:
+        """End the request's use of the business transaction. A session's connection is the
+        session's to close (Flask-SQLAlchemy removes the session at app context teardown)."""
+        if self.session is not None:
+            self.session.info.pop(SESSION_STATE, None)
+            if self.session.in_transaction():
+                self.rollback()
+        elif self.connection is not None:
+            self.connection.close()
 
     @property
     def releasable(self) -> bool:

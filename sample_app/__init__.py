@@ -38,6 +38,9 @@ def create_app() -> Flask:
     app.config.update(
         {name: os.environ.get(name, value) for name, value in SAMPLE_DEFAULTS.items()}
     )
+    # The API's own problem types (card-declined, ...) and the extension's, under the API's
+    # documentation URL. A real API uses a URL it owns; ".example" is reserved (RFC 2606).
+    app.config["IDEMPOTENCY_PROBLEM_BASE"] = "https://payments.example/problems/"
     # FLASK_IDEMPOTENCY_TTL=2 -> IDEMPOTENCY_TTL, and so on.
     app.config.from_prefixed_env()
     url = app.config["IDEMPOTENCY_DATABASE_URL"]

@@ -16,6 +16,7 @@ from flask import Flask
 from flask_idem import Idempotency, Scope
 from flask_idem.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
+from flask_idem.testing import age_record, empty_store
 
 from . import pgcluster
 
@@ -71,14 +72,6 @@ def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return url
 
 
-def _empty(store: SQLStore) -> None:
-    with store.engine.begin() as conn:
-        if store.dialect == "postgresql":
-            conn.exec_driver_sql("TRUNCATE idempotency_keys")
-        else:
-            conn.exec_driver_sql("DELETE FROM idempotency_keys")
-
-
 @pytest.fixture(params=DIALECTS)
 def db_url(request: pytest.FixtureRequest) -> str:
     """The URL of a migrated database, once for each dialect."""
@@ -91,9 +84,9 @@ def db_url(request: pytest.FixtureRequest) -> str:
 def store(db_url: str) -> t.Iterator[SQLStore]:
     """An empty store on each dialect."""
     store = create_store(db_url)
-    _empty(store)
+    empty_store(store)
     yield store
-    _empty(store)
+    empty_store(store)
     store.engine.dispose()
 
 
@@ -101,9 +94,9 @@ def store(db_url: str) -> t.Iterator[SQLStore]:
 def pg_store(pg_url: str) -> t.Iterator[SQLStore]:
     """An empty PostgreSQL store."""
     store = create_store(pg_url)
-    _empty(store)
+    empty_store(store)
     yield store
-    _empty(store)
+    empty_store(store)
     store.engine.dispose()
 
 
@@ -112,26 +105,8 @@ def scope(request: pytest.FixtureRequest) -> Scope:
     return Scope("tenant-a", "POST /v1/payments", f"key-{request.node.name}"[:255])
 
 
-def shift(store: SQLStore, scope: Scope, seconds: float, *columns: str) -> None:
-    """Move the scope's record ``seconds`` into the past (SQL, never sleep: the store reads
-    the database clock)."""
-    columns = columns or ("created_at", "expires_at", "lease_expires_at", "completed_at")
-    if store.dialect == "postgresql":
-        moved = {c: f"{c} - make_interval(secs => {float(seconds)})" for c in columns}
-    else:
-        moved = {
-            c: f"strftime('%Y-%m-%d %H:%M:%f', {c}, '{-float(seconds):+f} seconds') || '000'"
-            for c in columns
-        }
-    assignments = ", ".join(f"{c} = {expr}" for c, expr in moved.items())
-    with store.engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                f"UPDATE idempotency_keys SET {assignments} "  # noqa: S608
-                "WHERE tenant = :tenant AND endpoint = :endpoint AND key = :key"
-            ),
-            {"tenant": scope.tenant, "endpoint": scope.endpoint, "key": scope.key},
-        )
+#: Move the scope's record into the past (SQL, never sleep: the store reads the database clock).
+shift = age_record
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from flask_idem.store import SQLStore
 from .conftest import Counter
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
-BASE = "https://flask-idem.dev/problems/"
+BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
 
 
 class _Broken(io.RawIOBase):

@@ -40,7 +40,7 @@ from flask_idem.store import SQLStore, create_store
 from . import pgcluster
 from .conftest import Counter, shift
 
-BASE = "https://flask-idem.dev/problems/"
+BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
 PAYMENTS = "POST /payments"
 CREATED = dt.datetime(2026, 12, 1, 12, 0, 0, 123456, tzinfo=dt.timezone.utc)
 SCOPE = Scope("alpha", PAYMENTS, "key-1")

@@ -18,7 +18,7 @@ from flask_idem.store import SQLStore
 from .conftest import Counter, count_statements, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
-BASE = "https://flask-idem.dev/problems/"
+BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
 PAYMENTS = "POST /payments"
 
 

@@ -1,0 +1,39 @@
+"""pytest plugin of flask_idem (entry point ``pytest11``; loaded once flask-idem is installed).
+
+Fixtures:
+
+``idem_database_url``
+    The database of ``idem_store``: ``IDEMPOTENCY_TEST_DATABASE_URL`` when set, else a SQLite
+    file in the test's temporary directory. Override it in a ``conftest.py`` to point at the
+    test suite's own PostgreSQL.
+``idem_store``
+    A migrated, empty store on that database (:func:`flask_idem.testing.ready_store`), for
+    ``Idempotency(app, store=idem_store)``.
+"""
+
+from __future__ import annotations
+
+import os
+import typing as t
+from pathlib import Path
+
+import pytest
+
+from flask_idem.store import SQLStore
+from flask_idem.testing import ready_store
+
+#: Environment variable naming the database of ``idem_store`` (PostgreSQL or SQLite).
+DATABASE_URL_VARIABLE = "IDEMPOTENCY_TEST_DATABASE_URL"
+
+
+@pytest.fixture
+def idem_database_url(tmp_path: Path) -> str:
+    """The database of ``idem_store``."""
+    return os.environ.get(DATABASE_URL_VARIABLE) or f"sqlite:///{tmp_path}/flask-idem.sqlite3"
+
+
+@pytest.fixture
+def idem_store(idem_database_url: str) -> t.Iterator[SQLStore]:
+    """A migrated, empty flask_idem store, emptied again after the test."""
+    with ready_store(idem_database_url) as store:
+        yield store
