@@ -90,6 +90,8 @@ class ClaimResult:
 
     record: Record
     claimed: bool
+    #: The claim took over a record nobody owned (set by the attempt, not the store).
+    taken_over: bool = False
 
     @property
     def token(self) -> str:
