@@ -35,6 +35,8 @@ from .store import Store, create_store
 
 if t.TYPE_CHECKING:
     from .audit import Lookup, LookupTarget
+    from .metrics import Metrics
+    from .operator import OperatorAccess
     from .reconcile import Reconciler, ReconcilerTarget
 
 P = t.ParamSpec("P")
@@ -49,6 +51,10 @@ class Idempotency:
         ``IDEMPOTENCY_DATABASE_URL``.
     :param tenant: a callable returning the authenticated tenant of the current request
         (for example from ``flask.g``); see also :meth:`tenant_resolver`.
+    :param operator: who may see the operator page, and which tenants' records (see
+        :meth:`operator_access`); without it the page is off.
+    :param metrics: the Prometheus metrics to feed (:class:`flask_idem.metrics.Metrics`,
+        e.g. on a registry of your own); ``IDEMPOTENCY_METRICS = True`` uses the default one.
     """
 
     def __init__(
@@ -57,9 +63,13 @@ class Idempotency:
         *,
         store: Store | None = None,
         tenant: t.Callable[[], str | None] | None = None,
+        operator: OperatorAccess | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._store = store
         self._tenant = tenant
+        self._operator = operator
+        self._metrics = metrics
         self._blueprints: dict[Blueprint, ViewOptions] = {}
         self._reconcilers: dict[ReconcilerTarget, Reconciler] = {}
         self._lookups: dict[ReconcilerTarget, LookupTarget] = {}
@@ -85,6 +95,7 @@ class Idempotency:
         settings = Settings.from_mapping(app.config)
         store = self._store or self._build_store(settings)
         store.use_sealer(Sealer.from_settings(settings))
+        store.use_audit(settings.audit, settings.audit_retention)
         if settings.ensure_partitions:
             _ensure_partitions(store, settings.partitions_ahead)
         app.extensions[EXTENSION_NAME] = AppState(self, settings, store, LeaseKeeper(store))
@@ -102,6 +113,10 @@ class Idempotency:
         # A store failure anywhere in a request (``idem.connection()`` in any view) fails
         # closed with 503, never with a 500 and a traceback.
         app.register_error_handler(StoreUnavailable, flow.store_unavailable)
+        if settings.metrics or self._metrics is not None:
+            from . import metrics
+
+            metrics.install(app, self._metrics or metrics.Metrics(), settings)
 
     @staticmethod
     def _build_store(settings: Settings) -> Store:
@@ -117,6 +132,22 @@ class Idempotency:
         """Decorator registering the callable that returns the current request's tenant."""
         self._tenant = function
         return function
+
+    def operator_access(self, function: OperatorAccess) -> OperatorAccess:
+        """Decorator registering who may see the operator page (``<prefix>/operator``).
+
+        The function is called in the page's request, after the application's own
+        ``before_request`` hooks, and returns None or False (403), a tenant or a collection of
+        tenants whose records the user may see, or True for every tenant. Without it the page
+        is off (404). The page only reads: changes stay in ``flask idem``.
+        """
+        self._operator = function
+        return function
+
+    @property
+    def operator(self) -> OperatorAccess | None:
+        """The registered operator authorization, or None (the operator page is off)."""
+        return self._operator
 
     def current_tenant(self) -> str | None:
         """The current request's tenant as the resolver sees it, or None (anonymous)."""

@@ -74,9 +74,10 @@ def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _empty(store: SQLStore) -> None:
     with store.engine.begin() as conn:
         if store.dialect == "postgresql":
-            conn.exec_driver_sql("TRUNCATE idempotency_keys")
+            conn.exec_driver_sql("TRUNCATE idempotency_keys, idempotency_audit")
         else:
             conn.exec_driver_sql("DELETE FROM idempotency_keys")
+            conn.exec_driver_sql("DELETE FROM idempotency_audit")
 
 
 @pytest.fixture(params=DIALECTS)

@@ -17,6 +17,7 @@ FUNCTIONS = {
     "idempotency_claim",
     "idempotency_create_partitions",
     "idempotency_drop_expired_partitions",
+    "idempotency_audit_partitions",
 }
 
 
@@ -40,7 +41,7 @@ def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool
 
 
 #: The newest revision.
-HEAD = "0003"
+HEAD = "0005"
 
 
 def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:
