@@ -55,7 +55,8 @@ BEGIN
         -- Rows of this month in DEFAULT stay there (never moved): the month gets no partition.
         CONTINUE WHEN EXISTS (
             SELECT 1 FROM idempotency_audit_default
-             WHERE occurred_at >= v_lo AT TIME ZONE 'UTC' AND occurred_at < v_hi AT TIME ZONE 'UTC');
+             WHERE occurred_at >= v_lo AT TIME ZONE 'UTC'
+               AND occurred_at < v_hi AT TIME ZONE 'UTC');
         IF NOT p_dry_run THEN
             BEGIN
                 EXECUTE format(
