@@ -242,7 +242,7 @@ def history(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
     state = AppState.current()
     entries = state.store.history(tenant, key, endpoint)
     if as_json:
-        _print_json([audit_entry_json(entry) for entry in entries])
+        _print_json([entry.as_json() for entry in entries])
     elif entries:
         click.echo(_table(_HISTORY_HEADER, [_history_row(entry) for entry in entries]))
     if not entries:
@@ -251,25 +251,6 @@ def history(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
 
 
 _HISTORY_HEADER = ["WHEN", "ENDPOINT", "EVENT", "STATE", "STATUS", "BY", "RECORD", "DETAIL"]
-
-
-def audit_entry_json(entry: AuditEntry) -> dict[str, t.Any]:
-    """One audit row as ``flask idem history --json`` and the operator page show it."""
-    return {
-        "occurred_at": entry.occurred_at.isoformat(),
-        "tenant": entry.tenant,
-        "endpoint": entry.endpoint,
-        "key_hash": entry.key_hash,
-        "record_created_at": None
-        if entry.record_created_at is None
-        else entry.record_created_at.isoformat(),
-        "event": entry.event,
-        "state": entry.state,
-        "status": entry.status,
-        "fingerprint": None if entry.fingerprint is None else entry.fingerprint.hex(),
-        "actor": entry.actor,
-        "detail": entry.detail,
-    }
 
 
 def _history_row(entry: AuditEntry) -> list[str]:

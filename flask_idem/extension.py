@@ -116,7 +116,7 @@ class Idempotency:
         if settings.metrics or self._metrics is not None:
             from . import metrics
 
-            metrics.install(app, self._metrics or metrics.Metrics(), settings)
+            metrics.install(app, self._metrics, settings)
 
     @staticmethod
     def _build_store(settings: Settings) -> Store:

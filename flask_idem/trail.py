@@ -76,3 +76,20 @@ class AuditEntry:
     fingerprint: bytes | None
     actor: str
     detail: str | None
+
+    def as_json(self) -> dict[str, t.Any]:
+        """As ``flask idem history --json`` and the operator page show it."""
+        created = self.record_created_at
+        return {
+            "occurred_at": self.occurred_at.isoformat(),
+            "tenant": self.tenant,
+            "endpoint": self.endpoint,
+            "key_hash": self.key_hash,
+            "record_created_at": None if created is None else created.isoformat(),
+            "event": self.event,
+            "state": self.state,
+            "status": self.status,
+            "fingerprint": None if self.fingerprint is None else self.fingerprint.hex(),
+            "actor": self.actor,
+            "detail": self.detail,
+        }
