@@ -57,6 +57,19 @@ def _store_errors(command: t.Callable[P, None]) -> t.Callable[P, None]:
     return wrapper
 
 
+def _key_lookup(command: t.Callable[P, None]) -> t.Callable[P, None]:
+    """KEY, --tenant and an optional --endpoint: one key's records (``show``, ``history``)."""
+    for decorate in (
+        click.option(
+            "--endpoint", help='Only this endpoint, as records spell it: "POST /v1/payments".'
+        ),
+        click.option("--tenant", required=True, help="The tenant the key belongs to."),
+        click.argument("key"),
+    ):
+        command = decorate(command)
+    return command
+
+
 def _print_json(data: t.Any) -> None:
     click.echo(json.dumps(data, indent=2))
 
@@ -205,9 +218,7 @@ def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
 
 
 @idem_group.command()
-@click.argument("key")
-@click.option("--tenant", required=True, help="The tenant the key belongs to.")
-@click.option("--endpoint", help='Only this endpoint, as records spell it: "POST /v1/payments".')
+@_key_lookup
 @json_option
 @_store_errors
 def show(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
@@ -228,9 +239,7 @@ def show(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
 
 
 @idem_group.command()
-@click.argument("key")
-@click.option("--tenant", required=True, help="The tenant the key belongs to.")
-@click.option("--endpoint", help='Only this endpoint, as records spell it: "POST /v1/payments".')
+@_key_lookup
 @json_option
 @_store_errors
 def history(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
