@@ -58,12 +58,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
     prof = commands.add_parser("profile", help="CPU and SQL time per request, per app (cProfile)")
     prof.add_argument("--requests", type=int, default=1_000, help="requests per app and scenario")
     prof.add_argument("--apps", type=lambda text: tuple(text.split(",")), default=())
+    trail = commands.add_parser("trail", help="the audit trail (IDEMPOTENCY_AUDIT) on and off")
+    trail.add_argument("--quick", action="store_true", help="fewer operations (< 1 minute)")
+    trail.add_argument("--output", type=Path)
 
     show = commands.add_parser("report", help="re-print a results file")
     show.add_argument("file", type=Path)
     show.add_argument("--markdown", action="store_true")
 
-    if not argv or argv[0] not in ("run", "growth", "sealing", "profile", "report", "-h", "--help"):
+    if not argv or argv[0] not in (
+        "run",
+        "growth",
+        "sealing",
+        "profile",
+        "trail",
+        "report",
+        "-h",
+        "--help",
+    ):
         argv = ["run", *argv]
     return parser.parse_args(argv)
 
@@ -76,6 +88,10 @@ def main(argv: list[str]) -> int:
             from .growth import format_text as growth_text
 
             print(growth_text(document))
+        elif document.get("kind") == "trail":
+            from .trail import format_text as trail_text
+
+            print(trail_text(document))
         elif document.get("kind") == "sealing":
             from .sealing import format_text as sealing_text
 
@@ -89,6 +105,16 @@ def main(argv: list[str]) -> int:
         from . import profile
 
         profile.run(args.requests, args.apps)
+    if args.command == "trail":
+        from . import trail as trail_bench
+
+        trail_options = (
+            trail_bench.TrailOptions.quick() if args.quick else trail_bench.TrailOptions()
+        )
+        document = trail_bench.run(trail_options)
+        path = report.write(document, args.output or report.RESULTS_DIR)
+        print(trail_bench.format_text(document))
+        print(f"\nwritten to {path}")
         return 0
     if args.command == "sealing":
         from . import sealing as sealing_bench

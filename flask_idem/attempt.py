@@ -13,18 +13,19 @@ from here, so a view and a job share one outcome model:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
+import time
 import typing as t
 
 import sqlalchemy as sa
-from flask import current_app
 
 from . import signals
 from .errors import StoreUnavailable
-from .keys import key_hash
+from .events import emit as emit  # re-exported: flow and jobs emit through here
 from .options import Recovery
-from .record import ClaimResult, Record, Scope, State, StoredResponse
+from .record import ClaimResult, Record, State, StoredResponse
 from .state import AppState, RequestState
 from .store.sql import translate_errors
 
@@ -69,7 +70,8 @@ def take_over(app_state: AppState, record: Record, lease: float) -> ClaimResult 
     """Claim a :attr:`Found.RERUN` record: one winner, the same row, so the same downstream
     keys. None for a loser (it finds the winner's record in progress on its next claim)."""
     assert record.claim_token is not None
-    return app_state.store.take_over(record.scope, record.claim_token, lease=lease)
+    taken = app_state.store.take_over(record.scope, record.claim_token, lease=lease)
+    return None if taken is None else dataclasses.replace(taken, taken_over=True)
 
 
 def own(app_state: AppState, state: RequestState, claim: ClaimResult, lease: float) -> None:
@@ -80,7 +82,8 @@ def own(app_state: AppState, state: RequestState, claim: ClaimResult, lease: flo
     state.watch = app_state.keeper.watch(claim.record, lease)
     if app_state.sessions is not None:
         app_state.begin(state)  # db.session's transaction carries the business writes
-    emit(signals.claimed, state.scope)
+    emit(signals.taken_over if claim.taken_over else signals.claimed, state.scope)
+    state.view_started = time.monotonic()
 
 
 class CommitUncertain(StoreUnavailable):
@@ -129,7 +132,6 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
         emit(signals.released, state.scope, reason=reason)
         return
     store = app_state.store
-    digest = key_hash(state.scope)
     try:
         if state.releasable:
             store.release(state.scope, state.token, created_at=created_at(state))
@@ -137,23 +139,9 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
         else:
             store.mark_unknown(state.scope, state.token, created_at=created_at(state))
             emit(signals.unknown, state.scope, reason=reason)
-            log.warning("outcome unknown: %s", reason, extra={"key_hash": digest})
     except StoreUnavailable:
         # The lease runs out on its own; the record then counts as unknown, never free.
-        log.error("could not give the key up: %s", reason, extra={"key_hash": digest})
-
-
-def emit(signal: t.Any, scope: Scope, **extra: t.Any) -> None:
-    """Send a signal with the app as sender and the scope as tenant, endpoint and key hash."""
-    if not signal.receivers:
-        return  # the common case: nobody listens, so skip hashing the key
-    signal.send(
-        current_app._get_current_object(),  # type: ignore[attr-defined]
-        tenant=scope.tenant,
-        endpoint=scope.endpoint,
-        key_hash=key_hash(scope),
-        **extra,
-    )
+        emit(signals.store_unavailable, state.scope, stage="give_up", reason=reason)
 
 
 def created_at(state: RequestState) -> t.Any:

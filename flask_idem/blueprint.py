@@ -62,7 +62,7 @@ MAX_QUERY_BODY = 4096
 
 def create_blueprint(extension: Idempotency) -> Blueprint:
     """The inspection blueprint of one application (exempt from idempotency protection)."""
-    blueprint = Blueprint("flask_idem", __name__)
+    blueprint = Blueprint("flask_idem", __name__, template_folder="templates")
 
     @blueprint.route("/requests", methods=["GET", "POST"])
     @extension.exempt
@@ -94,6 +94,10 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
         schema = request_schema(bodies=state.settings.inspect_bodies, many=True)
         return {"requests": schema.dump(records)}, 200, [_NO_STORE]
 
+    if extension.operator is not None:
+        from . import operator
+
+        operator.register(blueprint, extension)
     return blueprint
 
 

@@ -18,9 +18,10 @@ import typing as t
 import click
 from flask.cli import AppGroup
 
-from . import citus
+from . import citus, signals, trail
 from .audit import AuditReport, Discrepancy, DownstreamRecord, Finding, audit
 from .errors import IdempotencyError
+from .events import emit
 from .keys import key_hash
 from .migrate import db_group
 from .reconcile import Action, Settlement, reconcile
@@ -28,6 +29,7 @@ from .record import KeyUsage, MaintenanceReport, Record, Scope, State
 from .sealing import KEY_ID_PATTERN, KEY_ID_SIZE, generate_key
 from .serialization import record_schema
 from .state import AppState
+from .trail import AuditEntry
 
 P = t.ParamSpec("P")
 
@@ -57,6 +59,19 @@ def _store_errors(command: t.Callable[P, None]) -> t.Callable[P, None]:
     return wrapper
 
 
+def _key_lookup(command: t.Callable[P, None]) -> t.Callable[P, None]:
+    """KEY, --tenant and an optional --endpoint: one key's records (``show``, ``history``)."""
+    for decorate in (
+        click.option(
+            "--endpoint", help='Only this endpoint, as records spell it: "POST /v1/payments".'
+        ),
+        click.option("--tenant", required=True, help="The tenant the key belongs to."),
+        click.argument("key"),
+    ):
+        command = decorate(command)
+    return command
+
+
 def _print_json(data: t.Any) -> None:
     click.echo(json.dumps(data, indent=2))
 
@@ -80,12 +95,18 @@ def maintain(ahead: int | None, dry_run: bool, as_json: bool) -> None:
     ahead = state.settings.partitions_ahead if ahead is None else ahead
     report = state.store.maintain(ahead=ahead, dry_run=dry_run)
     if as_json:
-        _print_json({"dialect": state.store.dialect, **report.as_dict()})
+        dumped = report.as_dict()
+        if not state.store.audit:
+            dumped = {k: v for k, v in dumped.items() if not k.startswith("audit_")}
+        _print_json({"dialect": state.store.dialect, **dumped})
     else:
-        click.echo(_maintenance_text(report, partitioned=state.store.dialect == "postgresql"))
+        partitioned = state.store.dialect == "postgresql"
+        click.echo(_maintenance_text(report, partitioned=partitioned, audited=state.store.audit))
 
 
-def _maintenance_text(report: MaintenanceReport, *, partitioned: bool) -> str:
+def _maintenance_text(
+    report: MaintenanceReport, *, partitioned: bool, audited: bool = False
+) -> str:
     verb = (
         ("would create", "would drop", "would purge")
         if report.dry_run
@@ -97,6 +118,14 @@ def _maintenance_text(report: MaintenanceReport, *, partitioned: bool) -> str:
             listed = f": {', '.join(names)}" if names else ""
             lines.append(f"{done} {_plural(len(names), 'partition')}{listed}")
     lines.append(f"{verb[2]} {_plural(report.purged, 'expired row')}")
+    if audited:
+        if partitioned:
+            for done, names in zip(
+                verb[:2], (report.audit_created, report.audit_dropped), strict=True
+            ):
+                listed = f": {', '.join(names)}" if names else ""
+                lines.append(f"audit: {done} {_plural(len(names), 'partition')}{listed}")
+        lines.append(f"audit: {verb[2]} {_plural(report.audit_purged, 'row')} past the retention")
     return "\n".join(lines)
 
 
@@ -191,9 +220,7 @@ def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
 
 
 @idem_group.command()
-@click.argument("key")
-@click.option("--tenant", required=True, help="The tenant the key belongs to.")
-@click.option("--endpoint", help='Only this endpoint, as records spell it: "POST /v1/payments".')
+@_key_lookup
 @json_option
 @_store_errors
 def show(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
@@ -211,6 +238,61 @@ def show(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
         click.echo("\n\n".join(_pairs(dumped) for dumped in schema.dump(records)))
     if not records:
         raise click.ClickException("no live record of this key for this tenant")
+
+
+@idem_group.command()
+@_key_lookup
+@json_option
+@_store_errors
+def history(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
+    """Print the audit trail of KEY: every transition of its records, oldest first.
+
+    Needs IDEMPOTENCY_AUDIT (rows are written only while it is on). Covers expired records
+    too, for as long as IDEMPOTENCY_AUDIT_RETENTION keeps their rows. Exit 1 if none.
+    """
+    state = AppState.current()
+    entries = state.store.history(tenant, key, endpoint)
+    if as_json:
+        _print_json([entry.as_json() for entry in entries])
+    elif entries:
+        click.echo(_table(_HISTORY_HEADER, [_history_row(entry) for entry in entries]))
+    if not entries:
+        note = "" if state.store.audit else " (IDEMPOTENCY_AUDIT is off)"
+        raise click.ClickException(f"no audit rows of this key for this tenant{note}")
+
+
+_HISTORY_HEADER = ["WHEN", "ENDPOINT", "EVENT", "STATE", "STATUS", "BY", "RECORD", "DETAIL"]
+
+
+def _history_row(entry: AuditEntry) -> list[str]:
+    created = entry.record_created_at
+    return [
+        entry.occurred_at.isoformat(timespec="milliseconds"),
+        entry.endpoint,
+        entry.event,
+        entry.state or "-",
+        "-" if entry.status is None else str(entry.status),
+        entry.actor,
+        "-" if created is None else created.isoformat(timespec="milliseconds"),
+        entry.detail or "",
+    ]
+
+
+@idem_group.command("metrics")
+def metrics_command() -> None:
+    """Print the table's gauges in Prometheus text format (for a textfile collector).
+
+    Records in progress, past their lease, unknown and reopened, the age of the oldest one in
+    progress, and the partitions ready ahead: read from the table, so the same for every
+    process. Needs the metrics extra (prometheus_client).
+    """
+    import prometheus_client
+
+    from .metrics import TableCollector
+
+    registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    registry.register(TableCollector(AppState.current().store))
+    click.echo(prometheus_client.generate_latest(registry).decode(), nl=False)
 
 
 @idem_group.command()
@@ -254,15 +336,24 @@ def release(
         click.confirm("Release this key?", abort=True, err=True)
     # Both are fenced: a retry that took the operation over since the record was read (and
     # may be charging right now) is never reopened under it nor forgotten.
-    if not_happened:
-        done = state.store.resolve(scope, None, token=record.claim_token)
-    else:
-        done = state.store.reopen(scope, token=record.claim_token)
+    with trail.acting("operator", "flask idem release"):
+        if not_happened:
+            done = state.store.resolve(scope, None, token=record.claim_token)
+        else:
+            done = state.store.reopen(scope, token=record.claim_token)
     if not done:
         raise click.ClickException(
             "the record changed meanwhile (a retry took it over?); look again"
         )
     action = "released" if not_happened else "reopened"
+    emit(
+        signals.settled,
+        scope,
+        fingerprint=record.fingerprint,
+        actor="operator",
+        action=action,
+        state=None if not_happened else "reopened",
+    )
     if as_json:
         released = record_schema(bodies=False, keys=False).dump(record)
         _print_json({"released": True, "action": action, "record": released})

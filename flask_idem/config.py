@@ -13,6 +13,9 @@ import sqlalchemy as sa
 from .errors import ConfigurationError
 from .sealing import DEFAULT_COMPRESS_MIN, EncryptionKey, parse_keys
 
+#: Seven years of 365 days: audit rows are kept as long as a payment ledger usually is.
+AUDIT_RETENTION = 7 * 365 * 86400
+
 #: Config key -> default. docs/configuration.md documents each of them (a test checks it).
 DEFAULTS: dict[str, t.Any] = {
     "IDEMPOTENCY_ENABLED": True,
@@ -38,6 +41,10 @@ DEFAULTS: dict[str, t.Any] = {
     "IDEMPOTENCY_ENCRYPTION_KEYS": (),
     "IDEMPOTENCY_COMPRESS_MIN": DEFAULT_COMPRESS_MIN,
     "IDEMPOTENCY_REQUIRE_ENCRYPTED": False,
+    "IDEMPOTENCY_AUDIT": False,
+    "IDEMPOTENCY_AUDIT_RETENTION": AUDIT_RETENTION,
+    "IDEMPOTENCY_METRICS": False,
+    "IDEMPOTENCY_METRICS_TENANT_LABEL": False,
 }
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an HTTP field name (RFC 9110 token)
@@ -53,6 +60,7 @@ MAXIMA: dict[str, float] = {
     "IDEMPOTENCY_MAX_REQUEST_BODY": 1024 * 1024 * 1024,
     "IDEMPOTENCY_PARTITIONS_AHEAD": 366,
     "IDEMPOTENCY_COMPRESS_MIN": 64 * 1024 * 1024,  # no snapshot is larger (MAX_BODY's maximum)
+    "IDEMPOTENCY_AUDIT_RETENTION": 100 * 366 * 86400,
 }
 
 
@@ -88,6 +96,14 @@ class Settings:
     require_encrypted: bool = False
     #: False: no view or job is protected (unit tests); no database is needed.
     enabled: bool = True
+    #: Every state transition appends a row to ``idempotency_audit``.
+    audit: bool = False
+    #: Seconds audit rows are kept; None: for ever.
+    audit_retention: float | None = AUDIT_RETENTION
+    #: Prometheus counters and histograms, fed by the transition signals.
+    metrics: bool = False
+    #: Metrics carry a ``tenant`` label (one series per tenant: mind the cardinality).
+    metrics_tenant_label: bool = False
 
     @property
     def headers(self) -> tuple[str, ...]:
@@ -188,6 +204,11 @@ class Settings:
                 "IDEMPOTENCY_REQUIRE_ENCRYPTED needs IDEMPOTENCY_ENCRYPTION_KEYS: configure the "
                 "keys first, and turn it on one TTL after encryption was switched on"
             )
+        retention = (
+            None
+            if value["IDEMPOTENCY_AUDIT_RETENTION"] is None
+            else number("IDEMPOTENCY_AUDIT_RETENTION", minimum=86400)
+        )
         header = names("IDEMPOTENCY_HEADER")
         if len(header) != 1:
             raise ConfigurationError("IDEMPOTENCY_HEADER must be one header name")
@@ -215,4 +236,8 @@ class Settings:
             compress_min=compress_min,
             require_encrypted=require_encrypted,
             enabled=flag("IDEMPOTENCY_ENABLED"),
+            audit=flag("IDEMPOTENCY_AUDIT"),
+            audit_retention=retention,
+            metrics=flag("IDEMPOTENCY_METRICS"),
+            metrics_tenant_label=flag("IDEMPOTENCY_METRICS_TENANT_LABEL"),
         )

@@ -37,6 +37,8 @@ from .store import Store, create_store
 
 if t.TYPE_CHECKING:
     from .audit import Lookup, LookupTarget
+    from .metrics import Metrics
+    from .operator import OperatorAccess
     from .reconcile import Reconciler, ReconcilerTarget
 
 P = t.ParamSpec("P")
@@ -57,6 +59,10 @@ class Idempotency:
         Flask-SQLAlchemy registered on the app is used the same way.
     :param bind_key: the Flask-SQLAlchemy bind holding flask_idem's table (default: the
         ``SQLALCHEMY_DATABASE_URI`` one).
+    :param operator: who may see the operator page, and which tenants' records (see
+        :meth:`operator_access`); without it the page is off.
+    :param metrics: the Prometheus metrics to feed (:class:`flask_idem.metrics.Metrics`,
+        e.g. on a registry of your own); ``IDEMPOTENCY_METRICS = True`` uses the default one.
     """
 
     def __init__(
@@ -67,6 +73,8 @@ class Idempotency:
         tenant: t.Callable[[], str | None] | None = None,
         db: t.Any = None,
         bind_key: str | None = None,
+        operator: OperatorAccess | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         if db is not None and store is not None:
             raise ConfigurationError("pass either db= or store= to Idempotency, not both")
@@ -74,6 +82,8 @@ class Idempotency:
         self._db = db
         self._bind_key = bind_key
         self._tenant = tenant
+        self._operator = operator
+        self._metrics = metrics
         self._blueprints: dict[Blueprint, ViewOptions] = {}
         self._reconcilers: dict[ReconcilerTarget, Reconciler] = {}
         self._lookups: dict[ReconcilerTarget, LookupTarget] = {}
@@ -102,6 +112,7 @@ class Idempotency:
             create_store(sessions.engine(app)) if sessions else self._build_store(settings)
         )
         store.use_sealer(Sealer.from_settings(settings))
+        store.use_audit(settings.audit, settings.audit_retention)
         if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(store, settings.partitions_ahead)
         app.extensions[EXTENSION_NAME] = AppState(
@@ -121,6 +132,10 @@ class Idempotency:
         # A store failure anywhere in a request (``idem.connection()`` in any view) fails
         # closed with 503, never with a 500 and a traceback.
         app.register_error_handler(StoreUnavailable, flow.store_unavailable)
+        if settings.metrics or self._metrics is not None:
+            from . import metrics
+
+            metrics.install(app, self._metrics, settings)
 
     def _sessions(self, app: Flask, settings: Settings) -> FlaskSQLAlchemySessions | None:
         """Flask-SQLAlchemy's sessions: given with ``db=``, or detected when nothing else
@@ -152,6 +167,22 @@ class Idempotency:
         """Decorator registering the callable that returns the current request's tenant."""
         self._tenant = function
         return function
+
+    def operator_access(self, function: OperatorAccess) -> OperatorAccess:
+        """Decorator registering who may see the operator page (``<prefix>/operator``).
+
+        The function is called in the page's request, after the application's own
+        ``before_request`` hooks, and returns None or False (403), a tenant or a collection of
+        tenants whose records the user may see, or True for every tenant. Without it the page
+        is off (404). The page only reads: changes stay in ``flask idem``.
+        """
+        self._operator = function
+        return function
+
+    @property
+    def operator(self) -> OperatorAccess | None:
+        """The registered operator authorization, or None (the operator page is off)."""
+        return self._operator
 
     def current_tenant(self) -> str | None:
         """The current request's tenant as the resolver sees it, or None (anonymous)."""

@@ -218,6 +218,7 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     # a 400 and an oversized one a 413, before any claim (never a fingerprint of half a body).
     body = read_body(request, settings.max_request_body)
     digest = _fingerprint(options, body)
+    state.fingerprint = digest
     ttl = options.ttl or settings.ttl
     deadline = time.monotonic() + settings.wait
     if options.atomic:
@@ -231,7 +232,7 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
             if not result.claimed:
                 result = answer_existing(app_state, result.record, digest, options, deadline)
         except StoreUnavailable:
-            log.error("idempotency store unavailable", extra={"key_hash": key_hash(scope)})
+            emit(signals.store_unavailable, scope, stage="claim")
             raise StoreUnavailableProblem(
                 "The idempotency store cannot be reached; the request was not executed."
             ) from None
@@ -309,7 +310,7 @@ def answer_existing(
     run the view with, or None to claim again after a short wait."""
     found = classify(record, digest, options.recovery)
     if found is Found.MISMATCH:
-        emit(signals.mismatch, record.scope)
+        emit(signals.mismatch, record.scope, state=record.state.value)
         raise KeyReused(
             "This idempotency key was already used with a different request; "
             "use a new key for a new operation."
@@ -321,6 +322,7 @@ def answer_existing(
         emit(signals.replayed, record.scope, status=record.response.status)
         return replay(record.response, options)
     if found is Found.UNSTORED:
+        emit(signals.not_stored, record.scope)
         raise ResponseNotStored(
             "The original request completed but its response was too large or streamed "
             "to be stored; it cannot be replayed."
@@ -335,6 +337,7 @@ def answer_existing(
             retry_after=IN_FLIGHT_RETRY_AFTER,
         )
     if found is Found.PENDING:
+        emit(signals.pending, record.scope, state=record.state.value)
         raise OutcomePending(
             "The original request may have taken effect but its outcome is not known; it "
             "will not be executed again automatically and is being reconciled."
@@ -505,7 +508,7 @@ def _complete(app_state: AppState, state: RequestState, response: Response) -> R
     if not stored:
         # The lease expired and a retry took the record over: this request's writes in the
         # business transaction are rolled back and the operation belongs to the new owner.
-        log.warning("lease lost before completion", extra={"key_hash": key_hash(state.scope)})
+        emit(signals.lease_lost, state.scope)
         return _problem_response(
             app_state,
             state,
@@ -530,7 +533,7 @@ def _store_failed(
 ) -> Response:
     """The view answered but its result could not be recorded: tell the truth."""
     assert state.scope is not None
-    log.error("could not store the response", extra={"key_hash": key_hash(state.scope)})
+    emit(signals.store_unavailable, state.scope, stage="complete")
     if state.connection is None:
         # The view's effects happened outside our transaction: the key must stay taken, and
         # the client still learns what happened.

@@ -171,6 +171,7 @@ def _claim(app_state: AppState, state: RequestState, digest: bytes) -> Record | 
     assert state.scope is not None and isinstance(state.options, JobOptions)
     options = state.options
     lease = options.lease or app_state.settings.lease
+    state.fingerprint = digest
     try:
         claim = app_state.store.claim(
             state.scope, digest, ttl=options.ttl or app_state.settings.ttl, lease=lease
@@ -196,7 +197,7 @@ def _claim(app_state: AppState, state: RequestState, digest: bytes) -> Record | 
                 raise _refusal(Found.RUNNING if found is Found.RERUN else found, record)
             claim = taken
     except StoreUnavailable:
-        log.error("idempotency store unavailable", extra={"key_hash": key_hash(state.scope)})
+        emit(signals.store_unavailable, state.scope, stage="claim")
         raise
     own(app_state, state, claim, lease)
     return None
@@ -205,9 +206,13 @@ def _claim(app_state: AppState, state: RequestState, digest: bytes) -> Record | 
 def _refusal(found: Found, record: Record) -> JobError:
     error, what = _REFUSALS[found]
     if found is Found.MISMATCH:
-        emit(signals.mismatch, record.scope)
+        emit(signals.mismatch, record.scope, state=record.state.value)
     elif found is Found.RUNNING:
         emit(signals.conflict, record.scope)
+    elif found is Found.PENDING:
+        emit(signals.pending, record.scope, state=record.state.value)
+    else:
+        emit(signals.not_stored, record.scope)
     return error(
         f"{record.scope.endpoint} message {key_hash(record.scope)} {what}",
         retry_after=max(1.0, record.lease_remaining),
@@ -247,7 +252,7 @@ def _execute(
     try:
         stored = store_result(app_state, state, snapshot)
     except StoreUnavailable:
-        log.error("could not store the job's result", extra={"key_hash": digest})
+        emit(signals.store_unavailable, state.scope, stage="complete")
         if state.connection is None:
             # Its effects happened outside our transaction: the key stays taken.
             state.contacted = True
@@ -256,7 +261,7 @@ def _execute(
         give_up(app_state, state, "the store failed before the commit")
         raise
     if not stored:
-        log.warning("lease lost before completion", extra={"key_hash": digest})
+        emit(signals.lease_lost, state.scope)
         raise JobInProgress(
             f"{state.scope.endpoint} message {digest} lost its lease to a re-run; its writes "
             "were rolled back"

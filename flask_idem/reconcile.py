@@ -31,7 +31,9 @@ import typing as t
 from flask import Flask, current_app
 from flask.typing import ResponseReturnValue
 
+from . import signals, trail
 from .errors import ConfigurationError
+from .events import emit
 from .flow import response_snapshot
 from .jobs import JOB_ATTRIBUTE
 from .keys import key_hash
@@ -196,13 +198,23 @@ def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> S
         # One failing lookup must not stop the run: the record stays and is reported.
         log.exception("reconciler failed", extra={"key_hash": digest})
         return Settlement(record, Action.UNKNOWN, f"reconciler failed: {type(exc).__name__}")
-    settled = state.store.resolve(
-        record.scope, response, token=record.claim_token, created_at=record.created_at
-    )
+    with trail.acting("reconciler", verdict.reason):
+        settled = state.store.resolve(
+            record.scope, response, token=record.claim_token, created_at=record.created_at
+        )
     if not settled:
         return Settlement(record, Action.SKIPPED, "no longer stuck: settled meanwhile")
     action = Action.RELEASED if response is None else Action.COMPLETED
-    log.info("reconciled: %s", action.value, extra={"key_hash": digest})
+    emit(
+        signals.settled,
+        record.scope,
+        fingerprint=record.fingerprint,
+        actor="reconciler",
+        action=action.value,
+        state=None if response is None else "completed",
+        status=None if response is None else response.status,
+        reason=verdict.reason,
+    )
     return Settlement(record, action, verdict.reason)
 
 

@@ -90,6 +90,8 @@ class ClaimResult:
 
     record: Record
     claimed: bool
+    #: The claim took over a record nobody owned (set by the attempt, not the store).
+    taken_over: bool = False
 
     @property
     def token(self) -> str:
@@ -118,6 +120,26 @@ class MaintenanceReport:
     dropped: tuple[str, ...] = ()
     purged: int = 0
     dry_run: bool = False
+    #: Audit trail upkeep (``IDEMPOTENCY_AUDIT``): monthly partitions created and dropped past
+    #: the retention (PostgreSQL), rows deleted past it (DEFAULT partition, SQLite).
+    audit_created: tuple[str, ...] = ()
+    audit_dropped: tuple[str, ...] = ()
+    audit_purged: int = 0
 
     def as_dict(self) -> dict[str, t.Any]:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    """What the table says right now, for gauges (``flask idem metrics``, ``/metrics``)."""
+
+    #: Records in progress, and those of them whose lease has expired (their owner is gone).
+    in_progress: int
+    lease_expired: int
+    unknown: int
+    reopened: int
+    #: Seconds since the oldest record still in progress was claimed; None when there is none.
+    oldest_in_progress_age: float | None
+    #: Partitions ready after the current one (PostgreSQL); None on SQLite.
+    partitions_ahead: int | None = None

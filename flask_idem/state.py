@@ -10,6 +10,7 @@ the flow can all use it without an import cycle.
 from __future__ import annotations
 
 import dataclasses
+import time
 import typing as t
 
 import sqlalchemy as sa
@@ -91,6 +92,12 @@ class RequestState:
     finished: bool = False
     #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``).
     echo: str | None = None
+    #: The request's fingerprint, once computed (events carry a prefix of it).
+    fingerprint: bytes | None = None
+    #: When the attempt started (``time.monotonic()``): events of the claim measure from here.
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    #: When the attempt got the key: events ending the attempt measure the view from here.
+    view_started: float | None = None
     #: The Flask-SQLAlchemy session whose transaction ``connection`` is (``db=``), if any.
     session: t.Any = None
     #: True while flask_idem itself commits or rolls the session back.

@@ -55,3 +55,39 @@ idempotency_keys = sa.Table(
     sa.Index(None, "tenant", "key"),
     postgresql_partition_by="RANGE (created_at)",
 )
+
+AUDIT_TABLE_NAME = "idempotency_audit"
+AUDIT_DEFAULT_PARTITION = f"{AUDIT_TABLE_NAME}_default"
+
+#: The append-only audit trail (``IDEMPOTENCY_AUDIT``, migration 0005): one row per state
+#: transition of a record, written in the same statement or transaction as the transition.
+#: Never updated; rows are deleted only by retention (``IDEMPOTENCY_AUDIT_RETENTION``): on
+#: PostgreSQL monthly partitions on ``occurred_at`` are dropped whole. The key itself is not
+#: stored: ``lookup`` (SHA-256 of tenant and key, see :func:`flask_idem.trail.lookup_digest`)
+#: finds a key's timeline for whoever knows the key, and ``key_hash`` matches logs and the CLI.
+idempotency_audit = sa.Table(
+    AUDIT_TABLE_NAME,
+    metadata,
+    # PostgreSQL: a random uuid (never a global sequence on the request path); SQLite: the rowid.
+    sa.Column(
+        "seq",
+        sa.Uuid().with_variant(sa.Integer(), "sqlite"),
+        server_default=sa.FetchedValue(),
+        nullable=False,
+    ),
+    sa.Column("occurred_at", _timestamp, nullable=False),
+    sa.Column("tenant", sa.String(255), nullable=False),
+    sa.Column("endpoint", sa.String(255), nullable=False),
+    sa.Column("key_hash", sa.String(16), nullable=False),
+    sa.Column("lookup", sa.LargeBinary(32), nullable=False),
+    sa.Column("record_created_at", _timestamp, nullable=True),
+    sa.Column("event", sa.String(16), nullable=False),
+    sa.Column("state", sa.String(16), nullable=True),
+    sa.Column("status", sa.Integer, nullable=True),
+    sa.Column("fingerprint", sa.LargeBinary(32), nullable=True),
+    sa.Column("actor", sa.String(16), nullable=False),
+    sa.Column("detail", sa.String(255), nullable=True),
+    sa.PrimaryKeyConstraint("seq", "occurred_at"),
+    sa.Index(None, "tenant", "lookup"),
+    postgresql_partition_by="RANGE (occurred_at)",
+)

@@ -12,6 +12,8 @@ import sqlalchemy as sa
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 
+from flask_idem import metrics
+
 from . import jobs, problems, provider, ratelimit, reconcilers  # noqa: F401 (registers)
 from .auth import authenticate
 from .extensions import idem
@@ -25,6 +27,7 @@ SAMPLE_DEFAULTS = {
     "SAMPLE_PROVIDER_LATENCY_MS": "0",
     "SAMPLE_PROVIDER_LOG": None,
     "SAMPLE_WEBHOOK_LATENCY_MS": "0",
+    "SAMPLE_METRICS_TOKEN": None,
 }
 
 
@@ -41,7 +44,10 @@ def create_app() -> Flask:
     # The API's own problem types (card-declined, ...) and the extension's, under the API's
     # documentation URL. A real API uses a URL it owns; ".example" is reserved (RFC 2606).
     app.config["IDEMPOTENCY_PROBLEM_BASE"] = "https://payments.example/problems/"
-    # FLASK_IDEMPOTENCY_TTL=2 -> IDEMPOTENCY_TTL, and so on.
+    # Prometheus counters fed by the extension's signals, served on /metrics (under gunicorn
+    # with several workers: ``-c python:sample_app.gunicorn_conf``, multiprocess mode).
+    app.config["IDEMPOTENCY_METRICS"] = True
+    # FLASK_IDEMPOTENCY_TTL=2 -> IDEMPOTENCY_TTL, FLASK_IDEMPOTENCY_AUDIT=true, and so on.
     app.config.from_prefixed_env()
     url = app.config["IDEMPOTENCY_DATABASE_URL"]
     # Members in the documented order (id first), not sorted.
@@ -58,5 +64,6 @@ def create_app() -> Flask:
     provider.init_app(app, url)
     app.register_blueprint(bp)
     app.register_blueprint(webhooks_bp)
+    app.add_url_rule("/metrics", "metrics", metrics.view)
     app.cli.add_command(init_db_command)
     return app

@@ -9,7 +9,7 @@ import hmac
 import time
 import typing as t
 
-from flask import g, request
+from flask import current_app, g, request
 
 from . import problems
 
@@ -28,6 +28,13 @@ SIGNATURE_HEADER = "Provider-Signature"
 SIGNATURE_TOLERANCE = 300
 #: The endpoint that authenticates by signature instead of an API key.
 WEBHOOK_ENDPOINT = "webhooks.provider_event"
+#: Operators' session tokens (a cookie) -> the tenants whose records they may see (True: all).
+#: A real service would use its own staff login; API keys never open the operator page.
+OPERATOR_TOKENS: dict[str, str | bool] = {"op_alpha": "alpha", "op_beta": "beta", "op_all": True}
+OPERATOR_COOKIE = "sample_operator"
+#: Operator endpoints that API keys do not open: the operator page (its own authorization,
+#: :func:`operator_access`) and ``/metrics`` (``SAMPLE_METRICS_TOKEN``, if set).
+OPERATOR_ENDPOINTS = ("flask_idem.operator_page", "metrics")
 
 
 def authenticate() -> None:
@@ -39,6 +46,8 @@ def authenticate() -> None:
     """
     if request.endpoint == WEBHOOK_ENDPOINT:
         return _authenticate_webhook()
+    if request.endpoint in OPERATOR_ENDPOINTS:
+        return _authenticate_operator_endpoint()
     credentials = request.authorization
     token = credentials.token if credentials and credentials.type == "bearer" else None
     tenant = API_KEYS.get(token) if token else None
@@ -82,6 +91,25 @@ def _authenticate_webhook() -> None:
             g.api_key_id = hashlib.sha256(f"webhook {account}".encode()).hexdigest()[:16]
             return
     raise problems.invalid_signature()
+
+
+def _authenticate_operator_endpoint() -> None:
+    """``/metrics`` is for the scraper: open on a private network, or behind
+    ``SAMPLE_METRICS_TOKEN`` (a Bearer token) when that is set. The operator page authorizes
+    in :func:`operator_access`."""
+    if request.endpoint != "metrics":
+        return
+    token = current_app.config.get("SAMPLE_METRICS_TOKEN")
+    credentials = request.authorization
+    given = credentials.token if credentials and credentials.type == "bearer" else None
+    if token and not (given and hmac.compare_digest(given, token)):
+        raise problems.unauthorized()
+
+
+def operator_access() -> str | bool | None:
+    """Who may see the idempotency operator page: an operator's session cookie names the
+    tenants (None: 403)."""
+    return OPERATOR_TOKENS.get(request.cookies.get(OPERATOR_COOKIE, ""))
 
 
 def current_tenant() -> str | None:

@@ -18,6 +18,7 @@ FUNCTIONS = {
     "idempotency_claim_atomic",
     "idempotency_create_partitions",
     "idempotency_drop_expired_partitions",
+    "idempotency_audit_partitions",
 }
 
 
@@ -41,7 +42,7 @@ def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool
 
 
 #: The newest revision.
-HEAD = "0004"
+HEAD = "0005"
 
 
 def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:

@@ -15,8 +15,9 @@ import typing as t
 import sqlalchemy as sa
 
 from ..errors import ConfigurationError
-from ..record import ClaimResult, KeyUsage, MaintenanceReport, Record, Scope, StoredResponse
+from ..record import ClaimResult, Health, KeyUsage, MaintenanceReport, Record, Scope, StoredResponse
 from ..sealing import Sealer
+from ..trail import AuditEntry
 
 
 class Store(abc.ABC):
@@ -30,6 +31,27 @@ class Store(abc.ABC):
         #: Compresses and encrypts snapshots on the way in, opens them on the way out.
         self.sealer = Sealer()
         self._sealer_configured = False
+        #: Whether every state transition appends a row to the audit trail.
+        self.audit = False
+        #: Seconds audit rows are kept (None: forever); enforced by :meth:`maintain`.
+        self.audit_retention: float | None = None
+        self._audit_configured = False
+
+    def use_audit(self, enabled: bool, retention: float | None = None) -> None:
+        """Audit every state transition (``IDEMPOTENCY_AUDIT``; ``init_app`` calls this).
+
+        :param retention: seconds audit rows are kept, or None for ever.
+        :raises ConfigurationError: the store already serves an application that audits
+            differently.
+        """
+        wanted = (enabled, retention if enabled else None)
+        if self._audit_configured and wanted != (self.audit, self.audit_retention):
+            raise ConfigurationError(
+                "this store already serves an application with another IDEMPOTENCY_AUDIT or "
+                "IDEMPOTENCY_AUDIT_RETENTION; give each application its own store"
+            )
+        self.audit, self.audit_retention = wanted
+        self._audit_configured = True
 
     def use_sealer(self, sealer: Sealer) -> None:
         """Seal snapshots as an application's settings say (``init_app`` calls this).
@@ -130,10 +152,10 @@ class Store(abc.ABC):
         """Live records of ``key`` in one tenant, on one endpoint or all (operators' view)."""
 
     @abc.abstractmethod
-    def stuck(self, *, limit: int = 1000) -> list[Record]:
+    def stuck(self, *, limit: int = 1000, tenants: t.Collection[str] | None = None) -> list[Record]:
         """Records in progress past their lease, records whose outcome is unknown and
-        reopened ones no retry has run yet, oldest first, across tenants (for operators and
-        reconcilers)."""
+        reopened ones no retry has run yet, oldest first, across tenants or of ``tenants``
+        only (for operators and reconcilers)."""
 
     @abc.abstractmethod
     def created_between(
@@ -177,6 +199,20 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def evict(self, scope: Scope) -> bool:
         """Administrative removal of the live record, whatever its state."""
+
+    def health(self) -> Health:
+        """Counts of live records that are not settled, and the age of the oldest one in
+        progress, in one read (gauges: computed from the table, not per process)."""
+        raise NotImplementedError
+
+    def partitions_ahead(self) -> int | None:
+        """Partitions ready after the current one; None where the table is not partitioned."""
+        return None
+
+    def history(self, tenant: str, key: str, endpoint: str | None = None) -> list[AuditEntry]:
+        """The audit trail of ``key`` in one tenant (every record it ever had, expired ones
+        included, as long as audit rows are kept), oldest first."""
+        raise NotImplementedError
 
     def key_usage(self) -> list[KeyUsage]:
         """Live stored responses per encryption key id (None: stored unencrypted), for

@@ -51,6 +51,7 @@ Partitions
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import typing as t
 
@@ -59,8 +60,9 @@ import sqlalchemy as sa
 from ..errors import ConfigurationError, StoreUnavailable
 from ..record import ClaimResult, MaintenanceReport, Scope
 from ..table import DEFAULT_PARTITION
+from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
-from .sql import SQLStore, new_token, record_from_row, translate_errors
+from .sql import AUDIT_COLUMNS, Outcome, SQLStore, new_token, record_from_row, translate_errors
 
 log = logging.getLogger("flask_idem")
 
@@ -73,6 +75,19 @@ _CLAIM = (
     "SELECT * FROM idempotency_claim(%(tenant)s, %(endpoint)s, %(key)s, %(fingerprint)s, "
     "%(token)s, %(ttl)s, %(lease)s)"
 )
+# With IDEMPOTENCY_AUDIT: the same claim, and its audit row when it inserted, in one statement
+# (the CTE is materialised, so the claim function runs once).
+_CLAIM_AUDITED = (
+    f"WITH c AS ({_CLAIM}), logged AS (INSERT INTO idempotency_audit ({', '.join(AUDIT_COLUMNS)}) "
+    "SELECT clock_timestamp(), %(tenant)s, %(endpoint)s, %(a_key_hash)s, %(a_lookup)s, "
+    "c.created_at, 'claimed', c.state, NULL, c.fingerprint, %(a_actor)s, %(a_detail)s "
+    "FROM c WHERE c.claimed) SELECT * FROM c"
+)
+_AUDIT_PARTITIONS = sa.text(
+    "SELECT * FROM idempotency_audit_partitions(:ahead, :retention, :dry_run)"
+)
+#: Monthly audit partitions kept ready after the current month.
+AUDIT_MONTHS_AHEAD = 2
 _CLAIM_ATOMIC = _CLAIM.replace("idempotency_claim(", "idempotency_claim_atomic(")
 # An atomic claim that found the scope's lock held (the holder may only be *replaying*): the
 # live completed record, read without the lock. Safe because a completed record is final
@@ -95,6 +110,7 @@ _FIND_COMPLETED = (
     " + (k.expires_at - k.created_at) > clock_timestamp())"
     " ORDER BY k.created_at DESC LIMIT 1"
 )
+_CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_atomic(")
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
 # Live as in idempotency_claim() (migration 0002): a TTL from the claim, and a TTL from the
@@ -107,6 +123,14 @@ _COUNT_EXPIRED_DEFAULT = sa.text(f"SELECT count(*) FROM {DEFAULT_PARTITION} WHER
 _PURGE_DEFAULT = sa.text(
     f"DELETE FROM {DEFAULT_PARTITION} WHERE ctid = ANY(ARRAY("
     f"SELECT ctid FROM {DEFAULT_PARTITION} WHERE {_EXPIRED} LIMIT :batch))"
+)
+# Partitions of idempotency_keys whose range starts after now (the name carries its start).
+_PARTITIONS_AHEAD = sa.text(
+    "SELECT count(*) FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+    "WHERE i.inhparent = 'idempotency_keys'::regclass "
+    "AND c.relname ~ '^idempotency_keys_p[0-9]{8}$' "
+    "AND to_date(substring(c.relname FROM '[0-9]{8}$'), 'YYYYMMDD') > "
+    "(now() AT TIME ZONE 'UTC')::date"
 )
 #: Expired rows deleted from DEFAULT per transaction.
 PURGE_BATCH = 5000
@@ -180,8 +204,12 @@ class PostgresStore(SQLStore):
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         parameters = _claim_parameters(scope, fingerprint, ttl, lease)
+        statement = _CLAIM
+        if self.audit:
+            statement = _CLAIM_AUDITED
+            parameters.update(self._audit_values(scope, "claimed"))
         with _isolation_explained(), translate_errors(), self.connect() as conn:
-            row = conn.exec_driver_sql(_CLAIM, parameters).one()
+            row = conn.exec_driver_sql(statement, parameters).one()
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
 
     def claim_atomic(
@@ -196,8 +224,13 @@ class PostgresStore(SQLStore):
                 "autocommit (IDEMPOTENCY_ENGINE with isolation_level='AUTOCOMMIT'?)"
             )
         parameters = _claim_parameters(scope, fingerprint, ttl, lease=0)
+        statement = _CLAIM_ATOMIC
+        if self.audit:
+            # The audit row commits with the claim, that is with the business transaction.
+            statement = _CLAIM_ATOMIC_AUDITED
+            parameters.update(self._audit_values(scope, "claimed"))
         with _isolation_explained(), translate_errors():
-            row = connection.exec_driver_sql(_CLAIM_ATOMIC, parameters).first()
+            row = connection.exec_driver_sql(statement, parameters).first()
             if row is None:
                 # The scope's lock is held: a duplicate is running, or only replaying a
                 # completed record, which this request may replay too (see _FIND_COMPLETED).
@@ -234,7 +267,59 @@ class PostgresStore(SQLStore):
                 created += self._maintenance_step(_CREATE_PARTITIONS, ahead=step, dry_run=False)
         # Claims wait behind the drop's exclusive lock: give up quickly, retry next run.
         dropped = self._maintenance_step(_DROP_PARTITIONS, dry_run=dry_run)
-        return MaintenanceReport(tuple(created), tuple(dropped), purged, dry_run)
+        report = MaintenanceReport(tuple(created), tuple(dropped), purged, dry_run)
+        return self._maintain_audit(report) if self.audit else report
+
+    def _maintain_audit(self, report: MaintenanceReport) -> MaintenanceReport:
+        """Monthly audit partitions ahead; whole months past the retention dropped (rows of
+        DEFAULT past it deleted): the only deletes the audit table ever sees."""
+        done: dict[str, list[str]] = {"created": [], "dropped": [], "purged": []}
+        for action_and_name in self._maintenance_step(
+            _AUDIT_PARTITIONS,
+            ahead=AUDIT_MONTHS_AHEAD,
+            retention=self.audit_retention,
+            dry_run=report.dry_run,
+        ):
+            action, _, name = action_and_name.partition(" ")
+            done[action].append(name)
+        return dataclasses.replace(
+            report,
+            audit_created=tuple(done["created"]),
+            audit_dropped=tuple(done["dropped"]),
+            audit_purged=sum(int(n) for n in done["purged"]),
+        )
+
+    def _audited(
+        self,
+        conn: sa.Connection,
+        statement: sa.UpdateBase,
+        parameters: dict[str, t.Any],
+        deleted: bool,
+    ) -> Outcome:
+        # WITH changed AS (<write> RETURNING ...), logged AS (INSERT INTO idempotency_audit
+        # SELECT ... FROM changed) SELECT * FROM changed: one statement, one round trip.
+        changed = statement.cte("changed")
+        rows = sa.select(
+            sa.func.clock_timestamp(),
+            sa.bindparam("a_tenant", type_=sa.String),
+            sa.bindparam("a_endpoint", type_=sa.String),
+            sa.bindparam("a_key_hash", type_=sa.String),
+            sa.bindparam("a_lookup", type_=sa.LargeBinary),
+            changed.c.created_at,
+            sa.bindparam("a_event", type_=sa.String),
+            sa.null() if deleted else changed.c.state,
+            changed.c.response_status,
+            changed.c.fingerprint,
+            sa.bindparam("a_actor", type_=sa.String),
+            sa.bindparam("a_detail", type_=sa.String),
+        ).select_from(changed)
+        logged = audit_table.insert().from_select(list(AUDIT_COLUMNS), rows).cte("logged")
+        found = list(conn.execute(sa.select(changed).add_cte(logged), parameters).all())
+        return Outcome(found, len(found))
+
+    def partitions_ahead(self) -> int | None:
+        with translate_errors(), self.engine.connect() as conn:
+            return int(conn.execute(_PARTITIONS_AHEAD).scalar_one())
 
     def _maintenance_step(self, statement: sa.TextClause, **parameters: t.Any) -> list[str]:
         with translate_errors(), self.engine.begin() as conn:

@@ -17,10 +17,14 @@ import typing as t
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
+from .. import trail
 from ..errors import StoreUnavailable, UnreadableResponse
-from ..record import ClaimResult, KeyUsage, Record, Scope, State, StoredResponse
+from ..keys import key_hash
+from ..record import ClaimResult, Health, KeyUsage, Record, Scope, State, StoredResponse
 from ..sealing import KEY_ID_OFFSET, KEY_ID_SIZE, MAGIC, Sealer, key_id_of
+from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
+from ..trail import AuditEntry
 from .base import Store
 
 #: Columns read back for a record, in a fixed order shared with the claim function.
@@ -35,6 +39,24 @@ RECORD_COLUMNS: tuple[str, ...] = (
     "created_at",
     "completed_at",
     "expires_at",
+)
+
+#: The record's columns an audit row is made of; every audited write returns them.
+AUDIT_SOURCE: tuple[str, ...] = ("fingerprint", "state", "response_status", "created_at")
+#: The audit row's columns, in the order audited writes fill them.
+AUDIT_COLUMNS: tuple[str, ...] = (
+    "occurred_at",
+    "tenant",
+    "endpoint",
+    "key_hash",
+    "lookup",
+    "record_created_at",
+    "event",
+    "state",
+    "status",
+    "fingerprint",
+    "actor",
+    "detail",
 )
 
 #: ``response_headers`` as written: None is SQL NULL (the mark of a sealed envelope), never
@@ -211,6 +233,61 @@ class SQLStore(Store):
             with self.connect() as conn:
                 return Outcome.of(conn.execute(statement, parameters))
 
+    def _write(
+        self,
+        statement: sa.Update | sa.Delete,
+        parameters: dict[str, t.Any],
+        connection: sa.Connection | None = None,
+        *,
+        scope: Scope,
+        event: str,
+        returning: t.Sequence[str] = (),
+    ) -> Outcome:
+        """Run a write that changes a record's state, and audit it when the trail is on.
+
+        Off, this is :meth:`_execute` of ``statement`` (returning ``returning``): nothing more
+        is built or sent. On, one audit row per changed row goes in with the write: in the
+        same statement on PostgreSQL, in the same transaction on SQLite; the outcome then
+        counts the changed rows as the write's row count does.
+        """
+        if returning:
+            statement = statement.returning(*(table.c[name] for name in returning))
+        if not self.audit:
+            return self._execute(statement, parameters, connection)
+        if not returning:
+            statement = statement.returning(*(table.c[name] for name in AUDIT_SOURCE))
+        values = self._audit_values(scope, event)
+        deleted = isinstance(statement, sa.Delete)
+        with translate_errors():
+            if connection is not None:
+                return self._audited(connection, statement, {**parameters, **values}, deleted)
+            with self.connect() as conn:
+                return self._audited(conn, statement, {**parameters, **values}, deleted)
+
+    @abc.abstractmethod
+    def _audited(
+        self,
+        conn: sa.Connection,
+        statement: sa.UpdateBase,
+        parameters: dict[str, t.Any],
+        deleted: bool,
+    ) -> Outcome:
+        """Run ``statement`` (it returns at least :data:`AUDIT_SOURCE`) and append one audit
+        row per row it returns, from the ``a_*`` parameters and those rows."""
+
+    @staticmethod
+    def _audit_values(scope: Scope, event: str) -> dict[str, t.Any]:
+        actor, detail = trail.current_actor()
+        return {
+            "a_tenant": scope.tenant,
+            "a_endpoint": scope.endpoint,
+            "a_key_hash": key_hash(scope),
+            "a_lookup": trail.lookup_digest(scope.tenant, scope.key),
+            "a_event": event,
+            "a_actor": actor,
+            "a_detail": detail,
+        }
+
     def complete(
         self,
         scope: Scope,
@@ -239,7 +316,10 @@ class SQLStore(Store):
                 p_headers=headers,
                 p_body=body,
             )
-        outcome = self._execute(self._complete_statement, parameters, connection)
+        event = "unstored" if response is None else "completed"
+        outcome = self._write(
+            self._complete_statement, parameters, connection, scope=scope, event=event
+        )
         return outcome.rowcount == 1
 
     def _owned_created_at(
@@ -251,13 +331,15 @@ class SQLStore(Store):
 
     def release(self, scope: Scope, token: str, *, created_at: dt.datetime | None = None) -> bool:
         parameters = self._owner(scope, token, created_at)
-        return self._execute(self._release_statement, parameters).rowcount == 1
+        outcome = self._write(self._release_statement, parameters, scope=scope, event="released")
+        return outcome.rowcount == 1
 
     def mark_unknown(
         self, scope: Scope, token: str, *, created_at: dt.datetime | None = None
     ) -> bool:
         parameters = self._owner(scope, token, created_at)
-        return self._execute(self._unknown_statement, parameters).rowcount == 1
+        outcome = self._write(self._unknown_statement, parameters, scope=scope, event="unknown")
+        return outcome.rowcount == 1
 
     def renew(
         self, scope: Scope, token: str, *, lease: float, created_at: dt.datetime | None = None
@@ -294,9 +376,14 @@ class SQLStore(Store):
                 claim_token=new_token(),
                 lease_expires_at=self.now_plus(lease),
             )
-            .returning(*(table.c[name] for name in RECORD_COLUMNS))
         )
-        row = self._execute(statement, self._owner(scope, token, None)).first
+        row = self._write(
+            statement,
+            self._owner(scope, token, None),
+            scope=scope,
+            event="taken_over",
+            returning=RECORD_COLUMNS,
+        ).first
         if row is None:
             return None
         now = lease_start(_aware(row.lease_expires_at), lease)
@@ -352,13 +439,15 @@ class SQLStore(Store):
             statement = statement.where(table.c.endpoint == endpoint)
         return [record_from_row(None, row, self.sealer) for row in self._execute(statement).rows]
 
-    def stuck(self, *, limit: int = 1000) -> list[Record]:
+    def stuck(self, *, limit: int = 1000, tenants: t.Collection[str] | None = None) -> list[Record]:
         statement = (
             sa.select(*self._scoped_returning())
             .where(self._stuck())
             .order_by(table.c.created_at)
             .limit(limit)
         )
+        if tenants is not None:
+            statement = statement.where(table.c.tenant.in_(list(tenants)))
         return [record_from_row(None, row, self.sealer) for row in self._execute(statement).rows]
 
     def created_between(
@@ -420,7 +509,10 @@ class SQLStore(Store):
         if created_at is not None:
             settle = sa.and_(settle, table.c.created_at == created_at)
         if response is None:
-            return self._execute(table.delete().where(settle), fence).rowcount == 1
+            deleted = self._write(
+                table.delete().where(settle), fence, scope=scope, event="released"
+            )
+            return deleted.rowcount == 1
         headers, body = self.sealer.seal(response, scope, created_at)
         statement = (
             table.update()
@@ -434,7 +526,7 @@ class SQLStore(Store):
                 lease_expires_at=None,
             )
         )
-        return self._execute(statement, fence).rowcount == 1
+        return self._write(statement, fence, scope=scope, event="completed").rowcount == 1
 
     def reopen(self, scope: Scope, *, token: str | None) -> bool:
         statement = (
@@ -447,7 +539,8 @@ class SQLStore(Store):
             )
             .values(state=State.REOPENED.value, lease_expires_at=self.now())
         )
-        return self._execute(statement, {"p_token": token}).rowcount == 1
+        reopened = self._write(statement, {"p_token": token}, scope=scope, event="reopened")
+        return reopened.rowcount == 1
 
     def key_usage(self) -> list[KeyUsage]:
         body = table.c.response_body
@@ -487,7 +580,44 @@ class SQLStore(Store):
         return sorted(usage.values(), key=lambda u: (u.key_id is None, u.key_id or ""))
 
     def evict(self, scope: Scope) -> bool:
-        return self._execute(table.delete().where(self._live(scope))).rowcount >= 1
+        statement = table.delete().where(self._live(scope))
+        return self._write(statement, {}, scope=scope, event="evicted").rowcount >= 1
+
+    def health(self) -> Health:
+        state, count = table.c.state, sa.func.count
+        in_progress = state == State.IN_PROGRESS.value
+        statement = sa.select(
+            count().filter(in_progress).label("in_progress"),
+            count().filter(in_progress, table.c.lease_expires_at <= self.now()).label("expired"),
+            count().filter(state == State.UNKNOWN.value).label("unknown"),
+            count().filter(state == State.REOPENED.value).label("reopened"),
+            sa.func.min(table.c.created_at).filter(in_progress).label("oldest"),
+            self._db_now(),
+        ).where(state.in_([s.value for s in (State.IN_PROGRESS, State.UNKNOWN, State.REOPENED)]))
+        row = self._execute(statement.where(self._alive())).rows[0]
+        oldest, now = _aware(row.oldest), _aware(row.db_now)
+        assert now is not None
+        return Health(
+            in_progress=row.in_progress,
+            lease_expired=row.expired,
+            unknown=row.unknown,
+            reopened=row.reopened,
+            oldest_in_progress_age=None if oldest is None else (now - oldest).total_seconds(),
+            partitions_ahead=self.partitions_ahead(),
+        )
+
+    def history(self, tenant: str, key: str, endpoint: str | None = None) -> list[AuditEntry]:
+        statement = (
+            sa.select(*(audit_table.c[name] for name in AUDIT_COLUMNS))
+            .where(
+                audit_table.c.tenant == tenant,
+                audit_table.c.lookup == trail.lookup_digest(tenant, key),
+            )
+            .order_by(audit_table.c.occurred_at, audit_table.c.seq)
+        )
+        if endpoint is not None:
+            statement = statement.where(audit_table.c.endpoint == endpoint)
+        return [audit_entry(row) for row in self._execute(statement).rows]
 
     def begin(self) -> sa.Connection:
         with translate_errors():
@@ -498,6 +628,26 @@ class SQLStore(Store):
                 connection.close()
                 raise
             return connection
+
+
+def audit_entry(row: t.Any) -> AuditEntry:
+    """An :class:`AuditEntry` from a row of :data:`AUDIT_COLUMNS`."""
+    m = row._mapping
+    occurred_at = _aware(m["occurred_at"])
+    assert occurred_at is not None
+    return AuditEntry(
+        occurred_at=occurred_at,
+        tenant=m["tenant"],
+        endpoint=m["endpoint"],
+        key_hash=m["key_hash"],
+        record_created_at=_aware(m["record_created_at"]),
+        event=m["event"],
+        state=m["state"],
+        status=m["status"],
+        fingerprint=None if m["fingerprint"] is None else bytes(m["fingerprint"]),
+        actor=m["actor"],
+        detail=m["detail"],
+    )
 
 
 def lease_start(lease_expires_at: dt.datetime | None, lease: float) -> dt.datetime:

@@ -13,8 +13,9 @@ import typing as t
 import sqlalchemy as sa
 
 from ..record import ClaimResult, MaintenanceReport, Scope, State
+from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
-from .sql import SQLStore, new_token, record_from_row, translate_errors
+from .sql import Outcome, SQLStore, new_token, record_from_row, translate_errors
 
 # The database clock, in the text layout SQLAlchemy uses for DateTime on SQLite (so that string
 # comparison is time comparison): microseconds padded from SQLite's milliseconds.
@@ -109,15 +110,62 @@ class SQLiteStore(SQLStore):
             expires_at=self.now_plus(ttl),
         )
         row = conn.execute(insert.returning(*self._returning())).one()
+        if self.audit:
+            self._append_audit(conn, self._audit_values(scope, "claimed"), [row], False)
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=True)
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         expired = sa.not_(self._alive())
         with translate_errors(), self.connect() as conn:
-            if dry_run:
-                count = conn.execute(
-                    sa.select(sa.func.count()).select_from(table).where(expired)
-                ).scalar_one()
-            else:
-                count = conn.execute(table.delete().where(expired)).rowcount
-        return MaintenanceReport(purged=int(count), dry_run=dry_run)
+            count = _purge(conn, table, expired, dry_run)
+            audited = 0
+            if self.audit and self.audit_retention is not None:
+                # Retention: the only delete the audit table ever sees.
+                cut = audit_table.c.occurred_at < self.now_plus(-self.audit_retention)
+                audited = _purge(conn, audit_table, cut, dry_run)
+        return MaintenanceReport(purged=count, dry_run=dry_run, audit_purged=audited)
+
+    def _audited(
+        self,
+        conn: sa.Connection,
+        statement: sa.UpdateBase,
+        parameters: dict[str, t.Any],
+        deleted: bool,
+    ) -> Outcome:
+        # SQLite has no data-modifying CTEs: the audit rows follow in the same transaction.
+        rows = list(conn.execute(statement, parameters).all())
+        if rows:
+            self._append_audit(conn, parameters, rows, deleted)
+        return Outcome(rows, len(rows))
+
+    def _append_audit(
+        self, conn: sa.Connection, values: dict[str, t.Any], rows: list[t.Any], deleted: bool
+    ) -> None:
+        conn.execute(
+            audit_table.insert().values(occurred_at=self.now()),
+            [
+                {
+                    "tenant": values["a_tenant"],
+                    "endpoint": values["a_endpoint"],
+                    "key_hash": values["a_key_hash"],
+                    "lookup": values["a_lookup"],
+                    "record_created_at": row.created_at,
+                    "event": values["a_event"],
+                    "state": None if deleted else row.state,
+                    "status": row.response_status,
+                    "fingerprint": row.fingerprint,
+                    "actor": values["a_actor"],
+                    "detail": values["a_detail"],
+                }
+                for row in rows
+            ],
+        )
+
+
+def _purge(
+    conn: sa.Connection, target: sa.Table, where: sa.ColumnElement[bool], dry_run: bool
+) -> int:
+    if dry_run:
+        statement = sa.select(sa.func.count()).select_from(target).where(where)
+        return int(conn.execute(statement).scalar_one())
+    return int(conn.execute(target.delete().where(where)).rowcount)

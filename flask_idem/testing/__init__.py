@@ -28,7 +28,7 @@ from .. import signals
 from ..migrate import upgrade
 from ..record import Scope
 from ..store import SQLStore, Store, create_store
-from ..table import TABLE_NAME
+from ..table import AUDIT_TABLE_NAME, TABLE_NAME
 
 if t.TYPE_CHECKING:
     from flask.testing import FlaskClient
@@ -69,11 +69,13 @@ def ready_store(url: str | sa.URL | None = None, *, migrate: bool = True) -> t.I
 
 def empty_store(store: Store) -> None:
     """Delete every record (between tests; the schema stays)."""
+    tables = [TABLE_NAME, AUDIT_TABLE_NAME]
     with store.engine.begin() as conn:
         if store.engine.dialect.name == "postgresql":
-            conn.exec_driver_sql(f"TRUNCATE {TABLE_NAME}")
+            conn.exec_driver_sql(f"TRUNCATE {', '.join(tables)}")
         else:
-            conn.exec_driver_sql(f"DELETE FROM {TABLE_NAME}")
+            for name in tables:
+                conn.exec_driver_sql(f"DELETE FROM {name}")
 
 
 def age_record(store: Store, scope: Scope, seconds: float, *columns: str) -> None:

@@ -1,0 +1,126 @@
+"""The operator page: stuck and unknown records, and one key's timeline, read-only.
+
+``GET <prefix>/operator`` lists the records nobody owns (in progress past their lease,
+``unknown``, ``reopened``) of the tenants the user may see; a form sends a key (in the POST
+body, never in a URL: URLs end up in access logs, proxies and browser histories) and the answer
+shows that key's live records and, with ``IDEMPOTENCY_AUDIT``, its audit timeline. It changes
+nothing: releasing and reconciling stay in ``flask idem``.
+
+Who may see it is the application's decision: ``Idempotency(operator=...)`` or
+``@idem.operator_access`` registers a callable, called after the application's own hooks,
+that returns None or False (403), a tenant or a collection of tenants, or True for every
+tenant. Without one the page does not exist (404). Records of other tenants are never read:
+the tenants go into the queries. Stored bodies appear only with ``IDEMPOTENCY_INSPECT_BODIES``.
+Server-rendered (Jinja), no JavaScript; the answer is never cached and may not be framed.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+from flask import Blueprint, render_template, request
+from flask.typing import ResponseReturnValue
+from werkzeug.exceptions import Forbidden
+
+from .errors import StoreUnavailable
+from .keys import InvalidKey, key_hash, normalize
+from .serialization import record_schema
+from .state import AppState
+
+if t.TYPE_CHECKING:
+    from .extension import Idempotency
+
+#: What the authorization callable returns: None/False (refused), True (every tenant), a
+#: tenant, or a collection of tenants.
+Access = bool | str | t.Collection[str] | None
+OperatorAccess = t.Callable[[], Access]
+
+#: Stuck records listed on the page.
+LIST_LIMIT = 200
+_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'"
+    ),
+}
+
+
+def allowed_tenants(access: Access) -> frozenset[str] | None:
+    """The tenants ``access`` grants (None: every tenant).
+
+    :raises Forbidden: it grants nothing.
+    """
+    if access is True:
+        return None
+    if not access:
+        raise Forbidden("You may not see the idempotency operator page.")
+    if isinstance(access, str):
+        return frozenset({access})
+    tenants = frozenset(str(tenant) for tenant in access)
+    if not tenants:
+        raise Forbidden("You may not see the idempotency operator page.")
+    return tenants
+
+
+def register(blueprint: Blueprint, extension: Idempotency) -> None:
+    """Add the page to the inspection blueprint (only when an authorization is registered)."""
+
+    @blueprint.route("/operator", methods=["GET", "POST"])
+    @extension.exempt
+    def operator_page() -> ResponseReturnValue:
+        assert extension.operator is not None
+        tenants = allowed_tenants(extension.operator())
+        state = AppState.current()
+        context: dict[str, t.Any] = {
+            "tenants": sorted(tenants) if tenants is not None else None,
+            "audit": state.store.audit,
+            "bodies": state.settings.inspect_bodies,
+            "lookup": None,
+            "error": None,
+        }
+        try:
+            stuck = state.store.stuck(limit=LIST_LIMIT, tenants=tenants)
+            context["stuck"] = [
+                record_schema(bodies=False, keys=False).dump(record) for record in stuck
+            ]
+            context["stuck_limited"] = len(stuck) == LIST_LIMIT
+            if request.method == "POST":
+                context["lookup"] = _lookup(state, tenants)
+        except StoreUnavailable:
+            context["stuck"], context["error"] = [], "The store cannot be reached; try again."
+            return render_template("flask_idem/operator.html", **context), 503, _HEADERS
+        except _BadLookup as exc:
+            context["error"] = str(exc)
+            return render_template("flask_idem/operator.html", **context), 400, _HEADERS
+        return render_template("flask_idem/operator.html", **context), 200, _HEADERS
+
+
+class _BadLookup(Exception):
+    """The lookup form was filled in wrongly; the message is shown."""
+
+
+def _lookup(state: AppState, tenants: frozenset[str] | None) -> dict[str, t.Any]:
+    form = request.form
+    tenant = (form.get("tenant") or "").strip()
+    if tenants is not None and len(tenants) == 1 and not tenant:
+        (tenant,) = tenants
+    if not tenant:
+        raise _BadLookup("Choose the tenant whose key this is.")
+    if tenants is not None and tenant not in tenants:
+        # The same answer as a key nobody used: the page never tells other tenants apart.
+        return {"tenant": tenant, "key_hash": None, "records": [], "timeline": []}
+    try:
+        key = normalize(form.get("key") or "")
+    except InvalidKey as exc:
+        raise _BadLookup(str(exc)) from None
+    records = state.store.find(tenant, key)
+    schema = record_schema(bodies=state.settings.inspect_bodies, keys=False, many=True)
+    timeline = state.store.history(tenant, key) if state.store.audit else []
+    return {
+        "tenant": tenant,
+        "records": schema.dump(records),
+        "timeline": [entry.as_json() for entry in timeline],
+        "key_hashes": sorted({key_hash(r.scope) for r in records}),
+    }
