@@ -81,10 +81,9 @@ def create_engine(
         connect_args["options"] = (
             f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}"
         )
-        if guards.install_wait_callback():
-            connect_args["connection_factory"] = guards.connection_factory(
-                statement_timeout + guards.DEADLINE_GRACE
-            )
+        connect_args["connection_factory"] = guards.connection_factory(
+            statement_timeout + guards.DEADLINE_GRACE
+        )
     engine = sa.create_engine(
         parsed,
         pool_size=10,
