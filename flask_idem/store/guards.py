@@ -169,7 +169,8 @@ class Watchdog:
 
     def _reset(self) -> None:
         # Also in a forked child: the parent's thread is gone and its lock may be held.
-        self._condition = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # taken directly on the hot path (C, not Python)
+        self._condition = threading.Condition(self._lock)
         self._armed: dict[int, tuple[int, float]] = {}  # token: (descriptor, deadline)
         self._heap: list[tuple[float, int]] = []  # (deadline, token)
         self._order = itertools.count()
@@ -180,7 +181,7 @@ class Watchdog:
     def arm(self, fd: int, budget: float) -> int:
         """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds."""
         deadline = time.monotonic() + budget
-        with self._condition:
+        with self._lock:
             if not self._started:
                 self._start()
             token = next(self._order)
@@ -200,7 +201,7 @@ class Watchdog:
 
     def disarm(self, token: int) -> bool:
         """Stop watching; True if the deadline had passed (the socket is shut down)."""
-        with self._condition:
+        with self._lock:
             return self._armed.pop(token, None) is None
 
     def _start(self) -> None:
