@@ -428,3 +428,60 @@ def test_client_side_deadline_fires_on_a_frozen_backend(database: str) -> None:
             assert conn.exec_driver_sql("SELECT 2").scalar_one() == 2, "the pool recovered"
     finally:
         engine.dispose()
+
+
+def test_a_frozen_store_backend_leaves_the_applications_connections_alone(database: str) -> None:
+    """The deadline is per store connection: while a frozen backend fails a store call in
+    time, the application's own connections (idle, or running longer than the deadline) are
+    not touched, and COPY keeps working on them."""
+    import io
+
+    from flask_idem import Scope, StoreUnavailable
+    from flask_idem.store import create_engine, create_store
+
+    engine = create_engine(database)
+    store = create_store(engine)
+    idle = psycopg2.connect(database)
+    busy = psycopg2.connect(database)
+    try:
+        with engine.connect() as conn:  # the pool's only connection: the store's next call
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        with idle.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            idle_pid = cursor.fetchone()[0]
+        idle.rollback()
+        slept: list[t.Any] = []
+
+        def sleep_past_the_deadline() -> None:
+            with busy.cursor() as cursor:
+                cursor.execute("SELECT pg_sleep(%s), 'slept'", (PROMISED + 1,))
+                slept.append(cursor.fetchone()[1])
+
+        sleeper = threading.Thread(target=sleep_past_the_deadline)
+        sleeper.start()
+        os.kill(pid, signal.SIGSTOP)
+        thaw = threading.Timer(PROMISED + 3, os.kill, (pid, signal.SIGCONT))
+        thaw.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(StoreUnavailable):
+                store.claim(Scope("t", "POST /frozen", new_key()), b"f" * 32, ttl=60, lease=30)
+            elapsed = time.monotonic() - started
+        finally:
+            thaw.cancel()
+            os.kill(pid, signal.SIGCONT)
+        assert PROMISED - 0.5 <= elapsed < PROMISED + 2, elapsed
+        sleeper.join(timeout=30)
+        assert slept == ["slept"], "a connection of the application has no deadline"
+        with idle.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            assert cursor.fetchone()[0] == idle_pid, "the idle connection is the same session"
+            out = io.StringIO()
+            cursor.copy_expert("COPY (SELECT 7) TO STDOUT", out)
+            assert out.getvalue() == "7\n"
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT 2").scalar_one() == 2, "the pool recovered"
+    finally:
+        idle.close()
+        busy.close()
+        engine.dispose()

@@ -3,11 +3,17 @@ only SQL stores promise: the database clock, failures as ``StoreUnavailable``, r
 
 from __future__ import annotations
 
+import io
+import typing as t
+
+import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
 import pytest
 import sqlalchemy as sa
 
 from flask_idem import Scope, StoreUnavailable, create_store
-from flask_idem.store import SQLStore
+from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing.contract import FP, RESPONSE, StoreContract
 
 from .conftest import count_statements
@@ -124,3 +130,72 @@ def test_a_silent_database_fails_within_seconds(scope: Scope) -> None:
     finally:
         silent.engine.dispose()
         listener.close()
+
+
+def _copy_and_large_object(connection: t.Any) -> tuple[str, int, bytes]:
+    """COPY both ways and a large object on a raw psycopg2 connection (then rolled back)."""
+    with connection.cursor() as cursor:
+        out = io.StringIO()
+        cursor.copy_expert("COPY (SELECT 42) TO STDOUT", out)
+        cursor.execute("CREATE TEMP TABLE idem_copy (x int)")
+        cursor.copy_from(io.StringIO("1\n2\n"), "idem_copy")
+        cursor.execute("SELECT count(*) FROM idem_copy")
+        (copied,) = cursor.fetchone()
+    written = connection.lobject(0, "wb")
+    written.write(b"large")
+    oid = written.oid
+    written.close()
+    read = connection.lobject(oid, "rb").read()
+    connection.rollback()
+    return out.getvalue().strip(), copied, read
+
+
+@pytest.mark.postgresql
+def test_the_applications_own_connections_keep_copy_and_large_objects(
+    pg_store: SQLStore, pg_url: str, scope: Scope
+) -> None:
+    """flask_idem's deadline is no process-wide psycopg2 state (no "green" mode): COPY and
+    large objects keep working on every other connection once a store exists and ran."""
+    assert pg_store.claim(scope, FP, ttl=60, lease=30).claimed
+    assert psycopg2.extensions.get_wait_callback() is None
+    expected = ("42", 2, b"large")
+
+    plain = psycopg2.connect(pg_url)
+    try:
+        assert _copy_and_large_object(plain) == expected
+    finally:
+        plain.close()
+
+    own = sa.create_engine(normalize_url(pg_url))  # the application's own engine
+    migrations = create_engine(pg_url, statement_timeout=None)  # flask_idem's, no deadline
+    try:
+        for engine in (own, migrations, pg_store.engine):
+            with engine.connect() as conn:
+                assert _copy_and_large_object(conn.connection.dbapi_connection) == expected
+    finally:
+        own.dispose()
+        migrations.dispose()
+    assert pg_store.get(scope) is not None, "the store still works"
+
+
+@pytest.mark.postgresql
+def test_store_connections_keep_every_cursor_kind(pg_store: SQLStore) -> None:
+    """The deadline wraps cursor classes of the application's choice and named cursors."""
+    with pg_store.engine.connect() as conn:
+        raw = conn.connection.dbapi_connection
+        with raw.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cursor:
+            assert isinstance(cursor, psycopg2.extras.RealDictCursor)
+            assert type(cursor).execute is not psycopg2.extras.RealDictCursor.execute, "bounded"
+            cursor.execute("SELECT 1 AS one")
+            assert cursor.fetchone() == {"one": 1}
+        named = raw.cursor("idem_named")
+        assert type(named).fetchmany is not psycopg2.extensions.cursor.fetchmany, "bounded"
+        named.itersize = 2
+        named.execute("SELECT generate_series(1, 5)")
+        assert [row[0] for row in named] == [1, 2, 3, 4, 5]
+        named.close()
+        streamed = conn.execution_options(stream_results=True).exec_driver_sql(
+            "SELECT generate_series(1, 3)"
+        )
+        assert [row[0] for row in streamed] == [1, 2, 3]
+        conn.rollback()

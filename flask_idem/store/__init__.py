@@ -83,12 +83,10 @@ def create_engine(
     if statement_timeout is not None:
         milliseconds = int(statement_timeout * 1000)
         session += [f"-c statement_timeout={milliseconds}", f"-c lock_timeout={milliseconds}"]
+        connect_args["connection_factory"] = guards.connection_factory(
+            statement_timeout + guards.DEADLINE_GRACE
+        )
     connect_args["options"] = " ".join(session)
-    if statement_timeout is not None:
-        if guards.install_wait_callback():
-            connect_args["connection_factory"] = guards.connection_factory(
-                statement_timeout + guards.DEADLINE_GRACE
-            )
     engine = sa.create_engine(
         parsed,
         pool_size=10,

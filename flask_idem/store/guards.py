@@ -14,11 +14,20 @@ Time bounds (PostgreSQL)
     so a slow or lock-blocked statement fails on the server after :data:`STATEMENT_TIMEOUT`.
     A *silent* server (frozen, ``SIGSTOP``, a hung host behind a live TCP stack) never sends
     that error, and TCP keepalives cannot notice because the kernel still acknowledges. So
-    psycopg2 runs in its "green" mode with :func:`wait`: every wait for the server (connect,
-    statement, commit, rollback) has a client-side deadline, ``connect_timeout`` while
-    connecting and the statement timeout plus :data:`DEADLINE_GRACE` afterwards. When it
-    passes, the connection is closed and the caller gets ``OperationalError`` (a disconnect, so
-    the pool discards it): the store answers 503 instead of hanging a worker.
+    every call of a store connection that waits for the server (statements, named-cursor
+    fetches, commit, rollback: also the pool's pings and resets, SQLAlchemy's first-connect
+    queries and :func:`quiet_server_log`) is armed with the :class:`Watchdog` for the
+    statement timeout plus :data:`DEADLINE_GRACE`. When that passes, the watchdog shuts the
+    connection's socket down, the blocked libpq call returns, and the caller gets
+    :class:`DeadlineExceeded` (an ``OperationalError`` on a closed connection: SQLAlchemy
+    sees a disconnect, the pool discards it): the store answers 503 instead of hanging a
+    worker. Connecting is bounded by libpq's own ``connect_timeout``.
+
+    Only connections of engines built by :func:`flask_idem.store.create_engine` with a
+    statement timeout are armed (:func:`connection_factory`); psycopg2 stays in its blocking
+    mode, no process-wide state is touched, and every other connection of the process (the
+    application's own, the migrations') keeps COPY, large objects and no deadline at all.
+    COPY and large objects on a store connection itself run without the client-side deadline.
 
 Server log (PostgreSQL)
     psycopg2 interpolates parameters on the client, so a failing statement reaches the
@@ -31,10 +40,13 @@ Server log (PostgreSQL)
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import logging
+import math
 import os
-import re
-import select
+import socket
 import threading
 import time
 import typing as t
@@ -51,7 +63,7 @@ STATEMENT_TIMEOUT = 4.0
 #: Seconds past the statement timeout after which a silent server is given up on: a store
 #: operation answers within 5 s, even when the server never answers at all.
 DEADLINE_GRACE = 1.0
-#: Seconds to open a connection (libpq ``connect_timeout``; enforced by :func:`wait`).
+#: Seconds to open a connection (libpq ``connect_timeout``, enforced by libpq itself).
 CONNECT_TIMEOUT = 5
 
 #: Per-session logging settings that keep statement texts (and so parameters) out of the
@@ -61,9 +73,6 @@ QUIET_LOG = (
     "SET log_min_duration_sample = -1; SET log_transaction_sample_rate = 0; "
     "SET log_statement = 'none'"
 )
-
-_CONNECT_TIMEOUT = re.compile(r"\bconnect_timeout=(\d+)")
-
 
 # -- fork safety ------------------------------------------------------------------------------
 
@@ -114,15 +123,202 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # -- deadlines (PostgreSQL) -----------------------------------------------------------------
 
 
+class DeadlineExceeded(psycopg2.OperationalError):  # type: ignore[misc]
+    """The server did not answer a store connection within its deadline (a disconnect)."""
+
+
+def _shut_down(fd: int) -> None:
+    """Make a call blocked on socket ``fd`` return: the peer seems to have hung up.
+
+    ``shutdown`` acts on the socket, not on the descriptor, so a duplicate does it without
+    closing libpq's descriptor under it (libpq still owns and later closes that one).
+    """
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return
+    with sock, contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class Watchdog:
+    """Gives blocked libpq calls an end: one daemon thread per process, a heap of deadlines.
+
+    :meth:`arm` before a call that waits for the server, :meth:`disarm` after it: a lock, a
+    dict entry and a heap push (a microsecond or two, no system call, nothing for the garbage
+    collector to track). The thread sleeps until the earliest deadline; an entry disarmed by
+    then is skipped, one still armed has its socket shut down, under the lock: once
+    :meth:`disarm` returned, the thread never touches that descriptor again (so it cannot act
+    on a descriptor closed and reused meanwhile). The heap is rebuilt from the armed entries
+    when disarmed ones pile up, so it stays small whatever the call rate.
+    """
+
+    #: The thread sleeps at least this long between two looks at the heap (seconds).
+    granularity = 0.05
+    #: Heap entries (mostly disarmed) tolerated beyond twice the armed ones.
+    slack = 1024
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        # Also in a forked child: the parent's thread is gone and its lock may be held.
+        self._lock = threading.Lock()  # taken directly on the hot path (C, not Python)
+        self._condition = threading.Condition(self._lock)
+        self._armed: dict[int, tuple[int, float]] = {}  # token: (descriptor, deadline)
+        self._heap: list[tuple[float, int]] = []  # (deadline, token)
+        self._order = itertools.count()
+        self._rebuild_at = self.slack
+        self._wake_at = math.inf
+        self._started = False
+
+    def arm(self, fd: int, budget: float) -> int:
+        """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds."""
+        deadline = time.monotonic() + budget
+        with self._lock:
+            if not self._started:
+                self._start()
+            token = next(self._order)
+            self._armed[token] = (fd, deadline)
+            heap = self._heap
+            if len(heap) < self._rebuild_at:
+                heapq.heappush(heap, (deadline, token))
+            else:
+                heap[:] = [(end, key) for key, (_fd, end) in self._armed.items()]
+                heapq.heapify(heap)
+                self._rebuild_at = 2 * len(heap) + self.slack
+            # Wake the thread only if it would look too late (when idle; usually it would not).
+            if deadline < self._wake_at:
+                self._wake_at = deadline
+                self._condition.notify()
+        return token
+
+    def disarm(self, token: int) -> bool:
+        """Stop watching; True if the deadline had passed (the socket is shut down)."""
+        with self._lock:
+            return self._armed.pop(token, None) is None
+
+    def _start(self) -> None:
+        try:
+            threading.Thread(target=self._run, name="flask-idem-deadline", daemon=True).start()
+        except RuntimeError:  # interpreter shutdown: no thread, so this call gets no deadline
+            return
+        self._started = True
+
+    def _run(self) -> None:
+        condition, heap, armed = self._condition, self._heap, self._armed
+        with condition:
+            while True:
+                now = time.monotonic()
+                while heap:
+                    deadline, token = heap[0]
+                    if token in armed:
+                        if deadline > now:
+                            break
+                        _shut_down(armed.pop(token)[0])
+                    heapq.heappop(heap)
+                if heap:
+                    self._wake_at = max(heap[0][0], now + self.granularity)
+                    condition.wait(self._wake_at - now)
+                else:
+                    self._wake_at = math.inf
+                    condition.wait()
+
+
+#: The process's watchdog (its thread starts on the first armed call).
+WATCHDOG = Watchdog()
+
+_F = t.TypeVar("_F", bound=t.Callable[..., t.Any])
+
+
+_READY = psycopg2.extensions.STATUS_READY
+
+
+def _bounded(call: _F, *, of_cursor: bool) -> _F:
+    """``call`` (a connection or cursor method) with its connection's deadline.
+
+    A connection's commit and rollback outside a transaction send nothing: not armed.
+    """
+
+    def bounded(self: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        connection = self.connection if of_cursor else self
+        # Closed: psycopg2 raises its own error without any wait.
+        if connection.closed or (not of_cursor and connection.status == _READY):
+            return call(self, *args, **kwargs)
+        budget = connection.flask_idem_deadline
+        token = WATCHDOG.arm(connection.fileno(), budget)
+        try:
+            result = call(self, *args, **kwargs)
+        except BaseException as exc:
+            if WATCHDOG.disarm(token):
+                connection.close()  # closed: SQLAlchemy sees a disconnect, the pool drops it
+                raise DeadlineExceeded(
+                    f"flask_idem: the database did not answer within {budget:g} s"
+                ) from exc
+            raise
+        WATCHDOG.disarm(token)
+        return result
+
+    bounded.__name__ = call.__name__
+    bounded.__doc__ = call.__doc__
+    return t.cast(_F, bounded)
+
+
+#: Cursor methods that wait for the server: every cursor's, and a named (server-side)
+#: cursor's fetches and close too. COPY and large objects run without a deadline.
+_CURSOR_CALLS: tuple[str, ...] = ("execute", "executemany", "callproc")
+_NAMED_CURSOR_CALLS = (*_CURSOR_CALLS, "fetchone", "fetchmany", "fetchall", "scroll", "close")
+_NAMED_CURSOR_CALLS += ("__next__",)
+
+#: Bounded subclasses by cursor factory, for unnamed and for named cursors.
+_unnamed_classes: dict[t.Any, t.Any] = {}
+_named_classes: dict[t.Any, t.Any] = {}
+_plain_cursor = psycopg2.extensions.cursor
+_plain_connection_cursor = psycopg2.extensions.connection.cursor
+
+
+def _bounded_class(factory: t.Any, named: bool) -> t.Any:
+    """``factory`` (a psycopg2 cursor class) with the deadline on its waiting methods; a
+    factory that is not a class is kept as it is (its cursors get no deadline)."""
+    classes = _named_classes if named else _unnamed_classes
+    if not isinstance(factory, type):
+        return classes.setdefault(factory, factory)
+    calls = _NAMED_CURSOR_CALLS if named else _CURSOR_CALLS
+    body = {name: _bounded(getattr(factory, name), of_cursor=True) for name in calls}
+    return classes.setdefault(factory, type(f"Deadline{factory.__name__}", (factory,), body))
+
+
 class DeadlineConnection(psycopg2.extensions.connection):  # type: ignore[misc]
-    """A psycopg2 connection whose waits for the server have a deadline (see :func:`wait`)."""
+    """A psycopg2 connection whose waits for the server end after a deadline (see
+    :class:`Watchdog`): statements, named-cursor fetches, commit and rollback."""
 
-    #: Seconds any one operation after connecting may wait; None: no deadline.
-    flask_idem_deadline: float | None = None
+    #: Seconds any one operation after connecting may wait.
+    flask_idem_deadline: float
+
+    commit = _bounded(psycopg2.extensions.connection.commit, of_cursor=False)
+    rollback = _bounded(psycopg2.extensions.connection.rollback, of_cursor=False)
+
+    def cursor(
+        self, name: str | None = None, cursor_factory: t.Any = None, *args: t.Any, **kwargs: t.Any
+    ) -> t.Any:
+        factory = cursor_factory or self.cursor_factory or _plain_cursor
+        bounded = (_unnamed_classes if name is None else _named_classes).get(factory)
+        if bounded is None:
+            bounded = _bounded_class(factory, name is not None)
+        return _plain_connection_cursor(self, name, bounded, *args, **kwargs)
 
 
-def connection_factory(deadline: float | None) -> t.Callable[..., DeadlineConnection]:
-    """The ``connection_factory`` of an engine whose operations wait at most ``deadline``."""
+def connection_factory(deadline: float) -> t.Callable[..., DeadlineConnection]:
+    """The ``connection_factory`` of an engine whose operations wait at most ``deadline``.
+
+    Connecting itself is bounded by libpq's ``connect_timeout``.
+    """
 
     def connect(dsn: str, *args: t.Any, **kwargs: t.Any) -> DeadlineConnection:
         connection = DeadlineConnection(dsn, *args, **kwargs)
@@ -130,64 +326,6 @@ def connection_factory(deadline: float | None) -> t.Callable[..., DeadlineConnec
         return connection
 
     return connect
-
-
-def install_wait_callback() -> bool:
-    """Route psycopg2's waits through :func:`wait` (process-wide; idempotent).
-
-    :returns: False when another wait callback (gevent, eventlet) is installed: it is left
-        alone and connections have no client-side deadline.
-    """
-    current = psycopg2.extensions.get_wait_callback()
-    if current is wait:
-        return True
-    if current is not None:
-        log.warning(
-            "another psycopg2 wait callback is installed; store connections get no "
-            "client-side deadline (a frozen database can hang a request)"
-        )
-        return False
-    psycopg2.extensions.set_wait_callback(wait)
-    return True
-
-
-def _budget(connection: t.Any) -> float | None:
-    if connection.status == psycopg2.extensions.STATUS_SETUP:
-        # Green mode bypasses libpq's own connect_timeout: honour it here, for every
-        # connection of the process, as the blocking mode would have.
-        found = _CONNECT_TIMEOUT.search(connection.dsn or "")
-        return float(found.group(1)) if found else None
-    return getattr(connection, "flask_idem_deadline", None)
-
-
-def wait(connection: t.Any) -> None:
-    """psycopg2 wait callback: ``psycopg2.extras.wait_select`` with a deadline.
-
-    On a connection without a deadline it waits as long as the blocking mode would.
-    """
-    budget = _budget(connection)
-    end = None if budget is None else time.monotonic() + budget
-    poller = select.poll()
-    while True:
-        state = connection.poll()
-        if state == psycopg2.extensions.POLL_OK:
-            return
-        if state == psycopg2.extensions.POLL_READ:
-            events = select.POLLIN
-        elif state == psycopg2.extensions.POLL_WRITE:
-            events = select.POLLOUT
-        else:  # pragma: no cover - psycopg2 only returns the three states above
-            raise psycopg2.OperationalError(f"unexpected psycopg2 poll state {state}")
-        remaining = None if end is None else end - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            # psycopg2 closes a connection whose wait callback failed; the pool sees a
-            # disconnect and discards it.
-            raise psycopg2.OperationalError(
-                f"flask_idem: the database did not answer within {budget:g} s"
-            )
-        poller.register(connection.fileno(), events)
-        poller.poll(None if remaining is None else max(1, int(remaining * 1000) + 1))
-        poller.unregister(connection.fileno())
 
 
 # -- server log (PostgreSQL) ------------------------------------------------------------------
