@@ -134,14 +134,19 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
     store = app_state.store
     try:
         if state.releasable:
-            store.release(state.scope, state.token, created_at=created_at(state))
-            emit(signals.released, state.scope, reason=reason)
+            done = store.release(state.scope, state.token, created_at=created_at(state))
+            signal = signals.released
         else:
-            store.mark_unknown(state.scope, state.token, created_at=created_at(state))
-            emit(signals.unknown, state.scope, reason=reason)
+            done = store.mark_unknown(state.scope, state.token, created_at=created_at(state))
+            signal = signals.unknown
     except StoreUnavailable:
-        # The lease runs out on its own; the record then counts as unknown, never free.
-        emit(signals.store_unavailable, state.scope, stage="give_up", reason=reason)
+        # The lease runs out on its own; the record then counts as unknown, never free. A
+        # store failure this request already reported (its completion) is not counted twice.
+        if not state.store_failed:
+            emit(signals.store_unavailable, state.scope, stage="give_up", reason=reason)
+        return
+    # The token no longer owns the record (a retry took it over): nothing changed here.
+    emit(signal if done else signals.lease_lost, state.scope, reason=reason)
 
 
 def created_at(state: RequestState) -> t.Any:

@@ -279,7 +279,7 @@ def _claim_atomic(
                     own(app_state, state, answer, app_state.settings.lease)
                     return None
         except StoreUnavailable:
-            log.error("idempotency store unavailable", extra={"key_hash": key_hash(state.scope)})
+            emit(signals.store_unavailable, state.scope, stage="claim")
             raise StoreUnavailableProblem(
                 "The idempotency store cannot be reached; the request was not executed."
             ) from None
@@ -534,6 +534,7 @@ def _store_failed(
     """The view answered but its result could not be recorded: tell the truth."""
     assert state.scope is not None
     emit(signals.store_unavailable, state.scope, stage="complete")
+    state.store_failed = True
     if state.connection is None:
         # The view's effects happened outside our transaction: the key must stay taken, and
         # the client still learns what happened.

@@ -90,6 +90,8 @@ class RequestState:
     #: The view or job raised (whoever rendered the exception afterwards).
     crashed: bool = False
     finished: bool = False
+    #: A store failure was already reported for this attempt (events count it once).
+    store_failed: bool = False
     #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``).
     echo: str | None = None
     #: The request's fingerprint, once computed (events carry a prefix of it).

@@ -17,7 +17,7 @@ from flask.views import MethodView
 from flask_idem import Idempotency, Scope, State, StoredResponse
 from flask_idem.store import SQLStore
 
-from .conftest import Counter
+from .conftest import Counter, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 ledger = sa.Table(
@@ -624,3 +624,50 @@ def test_a_repeated_query_field_keeps_the_order_of_its_values(app_factory: Facto
     assert _post(client, "/pick?b=x&a=1&a=2").headers["Idempotent-Replayed"] == "true"
     assert _problem(_post(client, "/pick?a=2&a=1&b=x")) == "idempotency-key-reused"
     assert counter.calls == 1
+
+
+def _record_signals(app: flask.Flask, *names: str) -> list[str]:
+    from flask_idem import signals
+
+    seen: list[str] = []
+    for name in names:
+        getattr(signals, name).connect(
+            lambda sender, name=name, **_: seen.append(name), app, weak=False
+        )
+    return seen
+
+
+def test_an_atomic_views_store_outage_is_reported(store: SQLStore) -> None:
+    app = flask.Flask("atomic-down")
+    app.config["IDEMPOTENCY_DATABASE_URL"] = "postgresql://nobody@127.0.0.1:1/none"
+    idem = Idempotency(app, tenant=lambda: "alpha")
+    seen = _record_signals(app, "store_unavailable")
+
+    @app.post("/atomic")
+    @idem.idempotent(atomic=True)
+    def atomic() -> t.Any:
+        return "never", 201
+
+    assert _problem(_post(app.test_client(), "/atomic")) == "store-unavailable"
+    assert seen == ["store_unavailable"]
+
+
+def test_a_request_that_lost_its_lease_reports_no_transition_it_did_not_make(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    app, idem, _ = app_factory(IDEMPOTENCY_LEASE=1)
+    seen = _record_signals(app, "unknown", "released", "lease_lost")
+
+    @app.post("/lost")
+    @idem.idempotent
+    def lost() -> t.Any:
+        idem.side_effect()
+        scope = Scope("alpha", "POST /lost", "k")
+        record = store.get(scope)
+        shift(store, scope, 5, "lease_expires_at")
+        assert store.take_over(scope, record.claim_token, lease=30) is not None
+        raise RuntimeError("fails after another request took it over")
+
+    assert _post(app.test_client(), "/lost").status_code == 500
+    assert seen == ["lease_lost"], seen
+    assert _record(store, "/lost").state is State.IN_PROGRESS, "the new owner's record"
