@@ -81,7 +81,7 @@ def own(app_state: AppState, state: RequestState, claim: ClaimResult, lease: flo
     state.record = claim.record
     state.watch = app_state.keeper.watch(claim.record, lease)
     if app_state.sessions is not None:
-        app_state.begin(state)  # db.session's transaction carries the business writes
+        app_state.attach_session(state)  # db.session carries the business writes
     emit(signals.taken_over if claim.taken_over else signals.claimed, state.scope)
     state.view_started = time.monotonic()
 
@@ -99,6 +99,8 @@ def store_result(app_state: AppState, state: RequestState, snapshot: StoredRespo
     :raises CommitUncertain: the commit itself failed and may have gone through.
     """
     assert state.scope is not None and state.token is not None
+    if state.session is not None:
+        app_state.begin(state)  # the completion joins the session's transaction
     stored = app_state.store.complete(
         state.scope,
         state.token,

@@ -57,16 +57,24 @@ class AppState:
         application's ``db.session`` (with ``db=``), else one of its own on the store."""
         if state.connection is None:
             if self.sessions is not None:
-                session = self.sessions.scoped()
+                session = self.attach_session(state)
                 with translate_errors():
                     state.connection = session.connection(
                         bind_arguments={"bind": self.store.engine}
                     )
-                state.session = session
-                session.info[SESSION_STATE] = state
             else:
                 state.connection = self.store.begin()
         return state.connection
+
+    def attach_session(self, state: RequestState) -> t.Any:
+        """Make ``db.session`` the claimed request's business transaction without opening it
+        yet: SQLite has one writer, so its lock must not be taken before the view writes (a
+        provider's own connection to the same file would wait for it)."""
+        assert self.sessions is not None
+        if state.session is None:
+            state.session = self.sessions.scoped()
+            state.session.info[SESSION_STATE] = state
+        return state.session
 
     @classmethod
     def current(cls) -> AppState:

@@ -13,10 +13,11 @@ from flask import Flask
 from werkzeug.exceptions import HTTPException
 
 from flask_idem import metrics
+from flask_idem.store import engine_options, normalize_url
 
 from . import jobs, problems, provider, ratelimit, reconcilers  # noqa: F401 (registers)
 from .auth import authenticate
-from .extensions import idem
+from .extensions import db, idem
 from .models import init_db_command
 from .views import bp
 from .webhooks import bp as webhooks_bp
@@ -60,6 +61,11 @@ def create_app() -> Flask:
     app.register_error_handler(sa.exc.OperationalError, problems.database_unavailable)
     app.before_request(authenticate)
     ratelimit.init_app(app, url)
+    # flask_idem's engine settings (timeouts, the client-side deadline, READ COMMITTED) for the
+    # engine Flask-SQLAlchemy builds, which the extension then uses.
+    app.config["SQLALCHEMY_DATABASE_URI"] = normalize_url(url).render_as_string(hide_password=False)
+    app.config["SQLALCHEMY_ENGINE_OPTIONS"] = engine_options(url)
+    db.init_app(app)
     idem.init_app(app)
     provider.init_app(app, url)
     app.register_blueprint(bp)

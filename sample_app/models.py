@@ -121,3 +121,15 @@ def init_db_command() -> None:
     """Create the sample app's tables (run ``alembic upgrade head`` for the extension's)."""
     create_tables(current_app.config["IDEMPOTENCY_DATABASE_URL"])
     click.echo("sample app tables ready")
+
+
+def _mapped(table: sa.Table) -> type:
+    """An ORM class for one of the tables above, in the app's Flask-SQLAlchemy registry."""
+    from .extensions import db
+
+    return type(table.name.title().replace("_", ""), (db.Model,), {"__table__": table})
+
+
+#: ORM views of the Core tables, for the Flask-SQLAlchemy style of the refunds endpoint.
+Payment = _mapped(payments)
+Refund = _mapped(refunds)

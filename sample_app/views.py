@@ -17,8 +17,8 @@ from werkzeug.wrappers import Response
 
 from . import problems
 from .auth import requires, tenant
-from .extensions import idem
-from .models import payments, refunds
+from .extensions import db, idem
+from .models import Payment, Refund, payments
 from .provider import Charge, ProviderTimeout, current_provider
 from .schemas import PaymentSchema, RefundSchema, load_body
 
@@ -134,6 +134,10 @@ def get_payment(payment_id: str) -> Response:
 
 # Every write of this view is in the transaction committed with the stored response, so a
 # worker that died mid-request left nothing behind and re-running it is safe.
+# The Flask-SQLAlchemy style: ORM models on ``db.session``, which flask_idem flushes after the
+# view and commits with the stored response (a view must not commit it itself). Every write of
+# this view is in that transaction, so a worker that died mid-request left nothing behind and
+# re-running it is safe.
 @bp.post("/payments/<payment_id>/refunds")
 @requires("payments:write")
 @idem.idempotent(recovery="reexecute", declares_effects=True)
@@ -141,36 +145,33 @@ def create_refund(payment_id: str) -> Response:
     if not PAYMENT_ID.fullmatch(payment_id):
         raise problems.payment_not_found(payment_id)
     body = load_body(RefundSchema())
-    conn = idem.connection()
     # The row lock serialises refunds of one payment, so two of them (with different keys)
     # cannot both fit in the same remainder.
-    payment = conn.execute(
-        sa.select(payments.c.amount)
-        .where(payments.c.id == payment_id, payments.c.tenant == tenant())
+    payment = db.session.execute(
+        sa.select(Payment)
+        .where(Payment.id == payment_id, Payment.tenant == tenant())
         .with_for_update()
-    ).first()
+    ).scalar_one_or_none()
     if payment is None:
         raise problems.payment_not_found(payment_id)
-    refunded = conn.execute(
-        sa.select(sa.func.coalesce(sa.func.sum(refunds.c.amount), 0)).where(
-            refunds.c.payment_id == payment_id
+    refunded = db.session.execute(
+        sa.select(sa.func.coalesce(sa.func.sum(Refund.amount), 0)).where(
+            Refund.payment_id == payment_id
         )
     ).scalar_one()
     remaining = payment.amount - refunded
     if body["amount"] > remaining:
         raise problems.refund_exceeds_payment(remaining)
-    refund_id = f"re_{secrets.token_hex(12)}"
-    conn.execute(
-        refunds.insert().values(
-            id=refund_id,
-            tenant=tenant(),
-            payment_id=payment_id,
-            amount=body["amount"],
-            created=int(time.time()),
-        )
+    refund = Refund(
+        id=f"re_{secrets.token_hex(12)}",
+        tenant=tenant(),
+        payment_id=payment_id,
+        amount=body["amount"],
+        created=int(time.time()),
     )
+    db.session.add(refund)
     response = jsonify(
-        {"id": refund_id, "object": "refund", "payment": payment_id, "amount": body["amount"]}
+        {"id": refund.id, "object": "refund", "payment": payment_id, "amount": body["amount"]}
     )
     response.status_code = 201
     return response

@@ -13,7 +13,16 @@ from .postgresql import PostgresStore
 from .sql import SQLStore
 from .sqlite import SQLiteStore
 
-__all__ = ["PostgresStore", "SQLStore", "SQLiteStore", "Store", "create_engine", "create_store"]
+__all__ = [
+    "PostgresStore",
+    "SQLStore",
+    "SQLiteStore",
+    "Store",
+    "create_engine",
+    "create_store",
+    "engine_options",
+    "prepare_engine",
+]
 
 _STORES: dict[str, type[SQLStore]] = {
     PostgresStore.dialect: PostgresStore,
@@ -46,35 +55,31 @@ PG_CONNECT_ARGS: dict[str, int] = {
 }
 
 
-def create_engine(
+def engine_options(
     url: str | sa.URL,
     *,
     statement_timeout: float | None = guards.STATEMENT_TIMEOUT,
     connect_timeout: int = guards.CONNECT_TIMEOUT,
-    **options: t.Any,
-) -> sa.Engine:
-    """An engine with the pool and connection settings the store relies on.
+) -> dict[str, t.Any]:
+    """The :func:`sqlalchemy.create_engine` arguments the store relies on, for engines built
+    elsewhere: Flask-SQLAlchemy's ``SQLALCHEMY_ENGINE_OPTIONS`` with ``Idempotency(db=db)``.
 
-    Statement parameters are hidden from error messages and logs: they carry idempotency keys,
-    claim tokens and response bodies. The engine is fork-safe, and on PostgreSQL its sessions
-    keep statement texts out of the server log (:mod:`flask_idem.store.guards`).
+    Statement parameters are hidden from error messages and logs (they carry idempotency keys,
+    claim tokens and response bodies); on PostgreSQL sessions use READ COMMITTED, statement
+    and lock timeouts and the client-side deadline (:mod:`flask_idem.store.guards`).
 
     :param statement_timeout: seconds a statement may run or wait for a lock (PostgreSQL
         ``statement_timeout`` and ``lock_timeout``, a client-side deadline one second later
         for a silent server; the SQLite busy timeout); None for no bound (migrations).
     :param connect_timeout: seconds to open a PostgreSQL connection.
-    :param options: more :func:`sqlalchemy.create_engine` arguments (e.g. ``pool_pre_ping``).
     """
     if statement_timeout is not None and not 0 < statement_timeout < 86400:
         raise ConfigurationError("statement_timeout must be between 0 and 86400 seconds")
-    parsed = normalize_url(url)
-    if parsed.get_backend_name() == "sqlite":
+    if normalize_url(url).get_backend_name() == "sqlite":
         # Threads of one server share the file; SQLite's own locking serialises the writers,
         # each waiting at most ``timeout`` for a lock (then "database is locked": 503).
         sqlite_args = {"check_same_thread": False, "timeout": statement_timeout or 60.0}
-        engine = sa.create_engine(parsed, connect_args=sqlite_args, hide_parameters=True, **options)
-        guards.make_fork_safe(engine)
-        return engine
+        return {"connect_args": sqlite_args, "hide_parameters": True}
     connect_args: dict[str, t.Any] = {**PG_CONNECT_ARGS, "connect_timeout": connect_timeout}
     # The claim functions refuse any other isolation (their lookup must see the record the
     # previous lock holder committed): whatever the database's or role's default, our
@@ -87,25 +92,50 @@ def create_engine(
             statement_timeout + guards.DEADLINE_GRACE
         )
     connect_args["options"] = " ".join(session)
-    engine = sa.create_engine(
-        parsed,
-        pool_size=10,
-        max_overflow=20,
-        pool_timeout=5,
-        connect_args=connect_args,
-        hide_parameters=True,
-        **options,
-    )
-    sa.event.listen(engine, "connect", guards.quiet_server_log)
+    return {
+        "pool_size": 10,
+        "max_overflow": 20,
+        "pool_timeout": 5,
+        "connect_args": connect_args,
+        "hide_parameters": True,
+    }
+
+
+def prepare_engine(engine: sa.Engine) -> sa.Engine:
+    """Make an engine safe for the store: fork-safe pools, and on PostgreSQL sessions that keep
+    statement texts out of the server log. Idempotent; applied to every store's engine."""
+    if engine.dialect.name == "postgresql" and not sa.event.contains(
+        engine, "connect", guards.quiet_server_log
+    ):
+        sa.event.listen(engine, "connect", guards.quiet_server_log)
     guards.make_fork_safe(engine)
     return engine
+
+
+def create_engine(
+    url: str | sa.URL,
+    *,
+    statement_timeout: float | None = guards.STATEMENT_TIMEOUT,
+    connect_timeout: int = guards.CONNECT_TIMEOUT,
+    **options: t.Any,
+) -> sa.Engine:
+    """An engine with the pool and connection settings the store relies on (see
+    :func:`engine_options`), fork-safe and quiet in the server log (:func:`prepare_engine`).
+
+    :param options: more :func:`sqlalchemy.create_engine` arguments (e.g. ``pool_pre_ping``).
+    """
+    arguments = engine_options(
+        url, statement_timeout=statement_timeout, connect_timeout=connect_timeout
+    )
+    return prepare_engine(sa.create_engine(normalize_url(url), **{**arguments, **options}))
 
 
 def create_store(target: str | sa.URL | sa.Engine) -> SQLStore:
     """Build the store matching a database URL or an existing engine."""
     engine = target if isinstance(target, sa.Engine) else create_engine(target)
-    # Also an engine the application built: a forked worker must never reuse its pool.
-    guards.make_fork_safe(engine)
+    # Also an engine the application built: a forked worker must never reuse its pool, and
+    # the server log must never get the store's statements.
+    prepare_engine(engine)
     try:
         store_class = _STORES[engine.dialect.name]
     except KeyError:
