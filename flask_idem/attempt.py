@@ -163,7 +163,9 @@ def stop_watching(app_state: AppState, state: RequestState) -> None:
 
 
 def rollback(state: RequestState) -> None:
-    if state.connection is not None:
+    # The session may hold a transaction (and SQLite's write lock) of its own before the
+    # store's connection was ever asked for: roll it back too.
+    if state.connection is not None or state.session is not None:
         try:
             state.rollback()
         except sa.exc.SQLAlchemyError:

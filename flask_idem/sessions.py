@@ -90,7 +90,8 @@ def _claimed(session: t.Any) -> RequestState | None:
 
 
 def _refuse_commit(session: t.Any) -> None:
-    if _claimed(session) is not None:
+    # Releasing a savepoint (``begin_nested()``) commits nothing: only the outer commit is ours.
+    if _claimed(session) is not None and not session.in_nested_transaction():
         raise SessionSettled(
             "db.session.commit() in a protected view: flask_idem commits the session together "
             "with the stored response; use db.session.flush() to write early"

@@ -63,6 +63,17 @@ def create_app(url: str, *, slow: bool = False) -> tuple[Flask, Idempotency]:
             db.session.commit()  # refused: flask_idem commits the session
         return {"ok": True}, 201
 
+    def busy() -> t.Any:
+        db.session.add(Payment(idem_key=flask.request.headers["Idempotency-Key"], amount=1))
+        return "busy", 503  # never stored: the key is given back, nothing commits
+
+    def nested() -> t.Any:
+        with db.session.begin_nested():  # a savepoint released normally commits nothing yet
+            db.session.add(Payment(idem_key=flask.request.headers["Idempotency-Key"], amount=2))
+        return {"ok": True}, 201
+
+    app.post("/busy", endpoint="busy")(idem.idempotent(declares_effects=True)(busy))
+    app.post("/nested", endpoint="nested")(idem.idempotent(nested))
     app.post("/durable", endpoint="durable")(idem.idempotent(charge))
     app.post("/atomic", endpoint="atomic")(idem.idempotent(atomic=True)(charge))
     if slow:

@@ -81,6 +81,35 @@ def test_a_view_committing_the_session_itself_is_refused(
     assert _payments(app) == [], "nothing committed before its stored response"
 
 
+def test_a_never_stored_status_after_orm_writes_gives_the_key_back_at_once(
+    orm: tuple[Flask, Idempotency],
+) -> None:
+    """The session's own transaction (SQLite's write lock) is rolled back before the key is
+    given back: never a 5 s wait on its own lock and a key left in progress."""
+    app, _ = orm
+    client = app.test_client()
+    started = time.monotonic()
+    with count_runs(app) as runs:
+        first = client.post("/busy", headers={"Idempotency-Key": "b"})
+        again = client.post("/busy", headers={"Idempotency-Key": "b"})
+    assert time.monotonic() - started < 3
+    assert (first.status_code, again.status_code, runs.count) == (503, 503, 2), "released"
+    assert _payments(app) == []
+    with _engine(app).connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar() == 0
+
+
+def test_a_released_savepoint_is_no_commit_of_the_view(orm: tuple[Flask, Idempotency]) -> None:
+    app, _ = orm
+    client = app.test_client()
+    assert client.post("/nested", headers={"Idempotency-Key": "n"}).status_code == 201
+    assert (
+        client.post("/nested", headers={"Idempotency-Key": "n"}).headers["Idempotent-Replayed"]
+        == "true"
+    )
+    assert _payments(app) == ["n"]
+
+
 def test_db_must_be_registered_first(db_url: str) -> None:
     from flask_sqlalchemy import SQLAlchemy
 
