@@ -46,6 +46,8 @@ CROSS_TENANT = {
     "stuck": "operators' listing",
     "maintain": "partition upkeep",
     "created_between": "the next-day audit",
+    "health": "the metrics gauges, read at scrape time",
+    "key_usage": "flask idem keys",
 }
 
 
@@ -130,6 +132,9 @@ def exercise(store: SQLStore) -> None:
         connection.close()
     day = first.record.created_at
     assert store.created_between(day, day + dt.timedelta(days=1), endpoints=["POST /p"])
+    store.history("tenant-a", "k0")
+    store.health()
+    store.key_usage()
     store.evict(a)
     store.maintain(ahead=7, dry_run=True)
 

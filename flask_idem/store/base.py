@@ -200,24 +200,24 @@ class Store(abc.ABC):
     def evict(self, scope: Scope) -> bool:
         """Administrative removal of the live record, whatever its state."""
 
+    @abc.abstractmethod
     def health(self) -> Health:
         """Counts of live records that are not settled, and the age of the oldest one in
         progress, in one read (gauges: computed from the table, not per process)."""
-        raise NotImplementedError
 
     def partitions_ahead(self) -> int | None:
         """Partitions ready after the current one; None where the table is not partitioned."""
         return None
 
+    @abc.abstractmethod
     def history(self, tenant: str, key: str, endpoint: str | None = None) -> list[AuditEntry]:
         """The audit trail of ``key`` in one tenant (every record it ever had, expired ones
         included, as long as audit rows are kept), oldest first."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def key_usage(self) -> list[KeyUsage]:
         """Live stored responses per encryption key id (None: stored unencrypted), for
         ``flask idem keys``."""
-        raise NotImplementedError
 
     @abc.abstractmethod
     def begin(self) -> sa.Connection:
