@@ -105,6 +105,7 @@ def main(argv: list[str]) -> int:
         from . import profile
 
         profile.run(args.requests, args.apps)
+        return 0
     if args.command == "trail":
         from . import trail as trail_bench
 

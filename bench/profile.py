@@ -59,6 +59,8 @@ class Profiled:
     profiled_cpu_us: float
     groups: dict[str, float]
     top: list[tuple[str, int, float]]
+    #: flask_idem's own functions by inclusive time (callees included): what each step costs.
+    steps: list[tuple[str, int, float]]
     statements: list[tuple[str, float, float, float]]
 
 
@@ -134,13 +136,17 @@ def profile(app_name: str, url: str, admin: sa.Engine, scenario: str, requests: 
         stats = pstats.Stats(profiler)
         groups: dict[str, float] = {}
         top = []
+        steps = []
         total = 0.0
-        for (filename, _, name), (_, calls, own, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        for (filename, _, name), (_, calls, own, inclusive, _) in stats.stats.items():  # type: ignore[attr-defined]
             label = _group(filename, name)
             groups[label] = groups.get(label, 0.0) + own
             total += own
             top.append((f"{_shorten(filename)}:{name}", calls, own))
+            if "/flask_idem/" in filename:
+                steps.append((f"{_shorten(filename)}:{name}", calls, inclusive))
         top.sort(key=lambda item: -item[2])
+        steps.sort(key=lambda item: -item[2])
         return Profiled(
             app=app_name,
             scenario=scenario,
@@ -150,6 +156,7 @@ def profile(app_name: str, url: str, admin: sa.Engine, scenario: str, requests: 
             profiled_cpu_us=total / requests * 1e6,
             groups={k: v / requests * 1e6 for k, v in sorted(groups.items(), key=lambda i: -i[1])},
             top=[(name, calls // requests, own / requests * 1e6) for name, calls, own in top[:18]],
+            steps=[(name, calls // requests, t / requests * 1e6) for name, calls, t in steps[:24]],
             statements=statements,
         )
     finally:
@@ -173,6 +180,10 @@ def format_text(results: list[Profiled]) -> str:
         out.append("   top own time (us/req, calls/req):")
         for name, calls, own in r.top:
             out.append(f"     {own:7.1f} {calls:4d}  {name}")
+        if r.steps:
+            out.append("   flask_idem, inclusive time (us/req, calls/req):")
+            for name, calls, inclusive in r.steps:
+                out.append(f"     {inclusive:7.1f} {calls:4d}  {name}")
     return "\n".join(out)
 
 

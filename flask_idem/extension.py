@@ -113,6 +113,7 @@ class Idempotency:
         )
         store.use_sealer(Sealer.from_settings(settings))
         store.use_audit(settings.audit, settings.audit_retention)
+        flow.forbid_atomic_commits(store.engine)
         if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(store, settings.partitions_ahead)
         app.extensions[EXTENSION_NAME] = AppState(

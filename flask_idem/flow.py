@@ -69,7 +69,7 @@ import time
 import typing as t
 
 import sqlalchemy as sa
-from flask import current_app, request
+from flask import current_app, has_app_context, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
@@ -261,10 +261,7 @@ def _claim_atomic(
     store = app_state.store
     while True:
         try:
-            fresh = state.connection is None
             connection = app_state.begin(state)
-            if fresh:
-                sa.event.listen(connection, "commit", _forbid_commit)
             result = store.claim_atomic(connection, state.scope, digest, ttl=ttl)
             if result is not None and result.claimed:
                 state.token, state.record = result.token, result.record
@@ -292,11 +289,27 @@ def _claim_atomic(
         time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
 
 
+def forbid_atomic_commits(engine: sa.Engine) -> None:
+    """Refuse an atomic view's own commit of its business transaction, on every connection of
+    the store's engine (one listener per engine: listening per connection would cost every
+    atomic request SQLAlchemy's per-instance event setup)."""
+    if not sa.event.contains(engine, "commit", _forbid_commit):
+        sa.event.listen(engine, "commit", _forbid_commit)
+
+
 def _forbid_commit(connection: sa.Connection) -> None:
     """An atomic view's own commit would publish its claim half-way (in progress, no lease):
     a duplicate could then run the view again. Only the extension commits it, at the end."""
+    if not has_app_context():
+        return
     state = RequestState.current()
-    if state is not None and state.atomic and state.token is not None and not state.finished:
+    if (
+        state is not None
+        and connection is state.connection
+        and state.atomic
+        and state.token is not None
+        and not state.finished
+    ):
         raise RuntimeError(
             "an atomic view must not commit idem.connection() itself: the extension commits "
             "it with the stored response"

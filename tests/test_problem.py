@@ -11,10 +11,10 @@ import flask
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from werkzeug.datastructures import Headers
+from werkzeug.datastructures import EnvironHeaders, Headers
 
 from flask_idem import Problem, Record, Scope, State, derive_key
-from flask_idem.keys import KEY_PATTERN, InvalidKey, normalize, read_key
+from flask_idem.keys import KEY_PATTERN, InvalidKey, echo_of_invalid, normalize, read_key
 from flask_idem.problem import KeyReused, RequestInProgress, StoreUnavailableProblem
 
 ALPHABET = string.ascii_letters + string.digits + "-_.:~+/="
@@ -94,6 +94,19 @@ def test_conflicting_headers_are_rejected_and_equal_ones_accepted() -> None:
     with pytest.raises(InvalidKey):
         read_key(Headers([("Idempotency-Key", "a"), ("Idempotency-Key", "b")]), NAMES)
     assert read_key(Headers(), NAMES) is None
+
+
+def test_request_headers_are_read_from_the_environ_as_the_server_joined_them() -> None:
+    # A WSGI server joins a repeated header into one value: two keys never pass as one.
+    environ = {"HTTP_IDEMPOTENCY_KEY": "a,b", "HTTP_X_IDEMPOTENCY_KEY": '"c"'}
+    with pytest.raises(InvalidKey):
+        read_key(EnvironHeaders(environ), NAMES)
+    environ = {"HTTP_IDEMPOTENCY_KEY": " a ", "HTTP_X_IDEMPOTENCY_KEY": '"a"'}
+    assert read_key(EnvironHeaders(environ), NAMES) == "a"
+    with pytest.raises(InvalidKey, match="different keys"):
+        read_key(EnvironHeaders({"HTTP_IDEMPOTENCY_KEY": "a", "HTTP_X_IDEMPOTENCY_KEY": "b"}), NAMES)
+    assert read_key(EnvironHeaders({"CONTENT_TYPE": "text/plain"}), NAMES) is None
+    assert echo_of_invalid(EnvironHeaders({"HTTP_IDEMPOTENCY_KEY": "a b"}), NAMES) == "a b"
 
 
 def _record(tenant: str, key: str, created: dt.datetime) -> Record:
