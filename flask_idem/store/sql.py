@@ -223,15 +223,24 @@ class SQLStore(Store):
 
     def _execute(
         self,
-        statement: sa.Executable,
+        statement: sa.Executable | Precompiled,
         parameters: dict[str, t.Any] | None = None,
         connection: sa.Connection | None = None,
     ) -> Outcome:
         with translate_errors():
             if connection is not None:
-                return Outcome.of(connection.execute(statement, parameters))
+                return Outcome.of(_run(connection, statement, parameters))
             with self.connect() as conn:
-                return Outcome.of(conn.execute(statement, parameters))
+                return Outcome.of(_run(conn, statement, parameters))
+
+    @functools.cached_property
+    def _hot_writes(self) -> dict[str, Precompiled]:
+        """The writes of every protected request, compiled once for this store's dialect."""
+        return {
+            "completed": Precompiled(self._complete_statement, self.engine.dialect),
+            "released": Precompiled(self._release_statement, self.engine.dialect),
+            "unknown": Precompiled(self._unknown_statement, self.engine.dialect),
+        }
 
     def _write(
         self,
@@ -242,8 +251,11 @@ class SQLStore(Store):
         scope: Scope,
         event: str,
         returning: t.Sequence[str] = (),
+        hot: str | None = None,
     ) -> Outcome:
         """Run a write that changes a record's state, and audit it when the trail is on.
+
+        ``hot`` names ``statement`` in :attr:`_hot_writes`: it is then sent precompiled.
 
         Off, this is :meth:`_execute` of ``statement`` (returning ``returning``): nothing more
         is built or sent. On, one audit row per changed row goes in with the write: in the
@@ -252,6 +264,8 @@ class SQLStore(Store):
         """
         if returning:
             statement = statement.returning(*(table.c[name] for name in returning))
+        elif not self.audit and hot is not None:
+            return self._execute(self._hot_writes[hot], parameters, connection)
         if not self.audit:
             return self._execute(statement, parameters, connection)
         if not returning:
@@ -318,7 +332,12 @@ class SQLStore(Store):
             )
         event = "unstored" if response is None else "completed"
         outcome = self._write(
-            self._complete_statement, parameters, connection, scope=scope, event=event
+            self._complete_statement,
+            parameters,
+            connection,
+            scope=scope,
+            event=event,
+            hot="completed",
         )
         return outcome.rowcount == 1
 
@@ -331,14 +350,18 @@ class SQLStore(Store):
 
     def release(self, scope: Scope, token: str, *, created_at: dt.datetime | None = None) -> bool:
         parameters = self._owner(scope, token, created_at)
-        outcome = self._write(self._release_statement, parameters, scope=scope, event="released")
+        outcome = self._write(
+            self._release_statement, parameters, scope=scope, event="released", hot="released"
+        )
         return outcome.rowcount == 1
 
     def mark_unknown(
         self, scope: Scope, token: str, *, created_at: dt.datetime | None = None
     ) -> bool:
         parameters = self._owner(scope, token, created_at)
-        outcome = self._write(self._unknown_statement, parameters, scope=scope, event="unknown")
+        outcome = self._write(
+            self._unknown_statement, parameters, scope=scope, event="unknown", hot="unknown"
+        )
         return outcome.rowcount == 1
 
     def renew(
@@ -628,6 +651,52 @@ class SQLStore(Store):
                 connection.close()
                 raise
             return connection
+
+
+class Precompiled:
+    """A Core statement compiled once for one dialect, executed as driver SQL.
+
+    Executing a Core statement makes SQLAlchemy build its cache key and the full parameter set
+    every time (about 0.1 ms of CPU for the completion ``UPDATE``, measured with
+    ``python -m bench profile``). The SQL text, the constant values and the bind processors
+    (JSON, binary) are computed here once; a call only processes the values it binds. The
+    statement still goes through ``Connection.exec_driver_sql``: events, error translation and
+    disconnect handling are SQLAlchemy's as before, and the server sees the same text.
+    """
+
+    def __init__(self, statement: sa.Executable, dialect: sa.Dialect) -> None:
+        compiled = statement.compile(dialect=dialect)
+        self.sql = str(compiled)
+        self._order = tuple(compiled.positiontup or ()) if compiled.positional else None
+        self._constants: dict[str, t.Any] = {}
+        self._bound: list[tuple[str, str, t.Callable[[t.Any], t.Any] | None]] = []
+        for name, bind in compiled.binds.items():
+            processor = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if bind.required:
+                self._bound.append((name, bind.key, processor))
+            else:
+                value = bind.effective_value
+                self._constants[name] = value if processor is None else processor(value)
+
+    def parameters(self, values: t.Mapping[str, t.Any]) -> t.Any:
+        """The driver's parameters for ``values`` (keyed as the statement's bind names)."""
+        bound = dict(self._constants)
+        for name, key, processor in self._bound:
+            value = values[key]
+            bound[name] = value if processor is None else processor(value)
+        if self._order is None:
+            return bound
+        return tuple(bound[name] for name in self._order)
+
+
+def _run(
+    connection: sa.Connection,
+    statement: sa.Executable | Precompiled,
+    parameters: dict[str, t.Any] | None,
+) -> sa.CursorResult[t.Any]:
+    if isinstance(statement, Precompiled):
+        return connection.exec_driver_sql(statement.sql, statement.parameters(parameters or {}))
+    return connection.execute(statement, parameters)
 
 
 def audit_entry(row: t.Any) -> AuditEntry:
