@@ -17,6 +17,9 @@ from .record import Record, Scope
 #: A valid key: 1 to 255 characters that survive headers, logs and URLs unescaped.
 KEY_PATTERN = re.compile(r"[A-Za-z0-9\-_.:~+/=]{1,255}")
 
+#: Header names the environ lookup would not read as ``getlist`` does (see header_values).
+_SPECIAL_NAME = re.compile(r"_|^content-(type|length)$", re.IGNORECASE)
+
 # Namespace of keys derived for downstream calls (a fixed, random UUID).
 _DOWNSTREAM_NAMESPACE = uuid.UUID("5f1d2c1e-8a3b-4f6e-9c7d-2b4a6e8f0a13")
 
@@ -55,9 +58,11 @@ def header_values(headers: t.Any, name: str) -> t.Sequence[str]:
 
     A request's headers live in the WSGI environ, where the server has already joined a
     repeated header into one value: one dictionary lookup then, instead of
-    ``getlist``'s walk over the whole environ on every protected request.
+    ``getlist``'s walk over the whole environ on every protected request. Names the lookup
+    would read differently from ``getlist`` (an ``_``, which the environ spells as ``-``;
+    ``Content-Type`` and ``Content-Length``, which servers set empty when absent) keep the walk.
     """
-    if isinstance(headers, EnvironHeaders):
+    if isinstance(headers, EnvironHeaders) and not _SPECIAL_NAME.search(name):
         value = headers.get(name)
         return () if value is None else (value,)
     return t.cast(t.Sequence[str], headers.getlist(name))

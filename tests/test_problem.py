@@ -107,6 +107,11 @@ def test_request_headers_are_read_from_the_environ_as_the_server_joined_them() -
         read_key(EnvironHeaders({"HTTP_IDEMPOTENCY_KEY": "a", "HTTP_X_IDEMPOTENCY_KEY": "b"}), NAMES)
     assert read_key(EnvironHeaders({"CONTENT_TYPE": "text/plain"}), NAMES) is None
     assert echo_of_invalid(EnvironHeaders({"HTTP_IDEMPOTENCY_KEY": "a b"}), NAMES) == "a b"
+    # Names the environ spells differently are read as before: an underscore never matches
+    # the dash-spelled header, and an absent Content-Type (empty in the environ) is no key.
+    environ = {"HTTP_IDEMPOTENCY_KEY": "abc", "CONTENT_TYPE": "", "CONTENT_LENGTH": ""}
+    assert read_key(EnvironHeaders(environ), ("Idempotency_Key",)) is None
+    assert read_key(EnvironHeaders(environ), ("Content-Type", "content-length")) is None
 
 
 def _record(tenant: str, key: str, created: dt.datetime) -> Record:

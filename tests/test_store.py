@@ -12,7 +12,7 @@ import psycopg2.extras
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Scope, StoreUnavailable, create_store
+from flask_idem import Scope, State, StoredResponse, StoreUnavailable, create_store
 from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing.contract import FP, RESPONSE, StoreContract
 
@@ -49,6 +49,18 @@ def test_unreachable_database_raises_store_unavailable(db_url: str, scope: Scope
         with pytest.raises(StoreUnavailable):
             call()
     broken.engine.dispose()
+
+
+def test_a_value_the_completion_cannot_bind_fails_closed(store: SQLStore, scope: Scope) -> None:
+    # The completion is sent precompiled: a bind processor's failure (a header value JSON
+    # cannot encode) is a store failure, as through SQLAlchemy's own execution, and the
+    # record stays in progress, never half written.
+    token = store.claim(scope, FP, ttl=60, lease=30).token
+    unencodable = StoredResponse(201, (("Location", object()),), b"{}")  # type: ignore[arg-type]
+    with pytest.raises(StoreUnavailable):
+        store.complete(scope, token, unencodable)
+    assert store.get(scope).state is State.IN_PROGRESS  # type: ignore[union-attr]
+    assert store.complete(scope, token, RESPONSE)
 
 
 def test_missing_schema_raises_store_unavailable(tmp_path: object, scope: Scope) -> None:

@@ -695,7 +695,12 @@ def _run(
     parameters: dict[str, t.Any] | None,
 ) -> sa.CursorResult[t.Any]:
     if isinstance(statement, Precompiled):
-        return connection.exec_driver_sql(statement.sql, statement.parameters(parameters or {}))
+        try:
+            bound = statement.parameters(parameters or {})
+        except Exception as exc:
+            # As SQLAlchemy reports a failing bind processor: the store fails closed on it.
+            raise sa.exc.StatementError(str(exc), statement.sql, None, exc) from exc
+        return connection.exec_driver_sql(statement.sql, bound)
     return connection.execute(statement, parameters)
 
 
