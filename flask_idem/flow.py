@@ -470,8 +470,7 @@ def finish(response: Response) -> Response:
     if state.finished:
         return response
     if state.token is None:
-        _commit(state)  # idem.connection() in an unprotected request
-        return response
+        return _commit_unprotected(app_state, state, response)
     stop_watching(app_state, state)
     if state.crashed:
         give_up(app_state, state, "the view raised an exception")
@@ -643,7 +642,19 @@ def _problem_response(app_state: AppState, state: RequestState, problem: Problem
     return response
 
 
-def _commit(state: RequestState) -> None:
-    if state.connection is not None:
+def _commit_unprotected(app_state: AppState, state: RequestState, response: Response) -> Response:
+    """Commit ``idem.connection()`` of an unprotected request; if that fails (the view's own
+    query met a dead connection and an error handler rendered it, leaving the transaction
+    invalid), nothing was committed: answer 503, as a store failure anywhere in a request."""
+    if state.connection is None:
+        return response
+    try:
         with translate_errors():
             state.commit()
+    except StoreUnavailable as exc:
+        answer = t.cast(Response, store_unavailable(exc))
+        echo = response.headers.get(app_state.settings.header)
+        if echo is not None:
+            answer.headers[app_state.settings.header] = echo
+        return answer
+    return response

@@ -762,3 +762,20 @@ def test_store_failure_in_any_view_is_a_503_problem(app_factory: Factory) -> Non
     response = app.test_client().get("/report")
     _assert_problem(response, 503, "store-unavailable")
     app.extensions["idempotency"].store.engine.dispose()
+
+
+def test_an_unprotected_request_whose_commit_fails_is_a_503_problem(app_factory: Factory) -> None:
+    # A view's own query met a dead pooled connection and an application error handler
+    # rendered that; the transaction is then invalid, and committing it at the end of the
+    # request fails: the answer is a 503 problem (nothing was committed), never a 500.
+    app, idem, _ = app_factory()
+
+    @app.get("/report")
+    def report() -> t.Any:
+        connection = idem.connection()
+        connection.execute(sa.text("SELECT 1"))
+        connection.invalidate()  # what SQLAlchemy does when the server went away
+        return "looked fine", 200
+
+    response = app.test_client().get("/report")
+    _assert_problem(response, 503, "store-unavailable")
