@@ -104,7 +104,9 @@ def test_request_headers_are_read_from_the_environ_as_the_server_joined_them() -
     environ = {"HTTP_IDEMPOTENCY_KEY": " a ", "HTTP_X_IDEMPOTENCY_KEY": '"a"'}
     assert read_key(EnvironHeaders(environ), NAMES) == "a"
     with pytest.raises(InvalidKey, match="different keys"):
-        read_key(EnvironHeaders({"HTTP_IDEMPOTENCY_KEY": "a", "HTTP_X_IDEMPOTENCY_KEY": "b"}), NAMES)
+        read_key(
+            EnvironHeaders({"HTTP_IDEMPOTENCY_KEY": "a", "HTTP_X_IDEMPOTENCY_KEY": "b"}), NAMES
+        )
     assert read_key(EnvironHeaders({"CONTENT_TYPE": "text/plain"}), NAMES) is None
     assert echo_of_invalid(EnvironHeaders({"HTTP_IDEMPOTENCY_KEY": "a b"}), NAMES) == "a b"
     # Names the environ spells differently are read as before: an underscore never matches

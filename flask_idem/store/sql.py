@@ -664,7 +664,7 @@ class Precompiled:
     disconnect handling are SQLAlchemy's as before, and the server sees the same text.
     """
 
-    def __init__(self, statement: sa.Executable, dialect: sa.Dialect) -> None:
+    def __init__(self, statement: sa.UpdateBase, dialect: sa.Dialect) -> None:
         compiled = statement.compile(dialect=dialect)
         self.sql = str(compiled)
         self._order = tuple(compiled.positiontup or ()) if compiled.positional else None
