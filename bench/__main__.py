@@ -113,10 +113,7 @@ def main(argv: list[str]) -> int:
             trail_bench.TrailOptions.quick() if args.quick else trail_bench.TrailOptions()
         )
         document = trail_bench.run(trail_options)
-        path = report.write(document, args.output or report.RESULTS_DIR)
-        print(trail_bench.format_text(document))
-        print(f"\nwritten to {path}")
-        return 0
+        return _written(document, trail_bench.format_text, args.output)
     if args.command == "sealing":
         from . import sealing as sealing_bench
 
@@ -124,20 +121,14 @@ def main(argv: list[str]) -> int:
             sealing_bench.SealingOptions.quick() if args.quick else sealing_bench.SealingOptions()
         )
         document = sealing_bench.run(options)
-        path = report.write(document, args.output or report.RESULTS_DIR)
-        print(sealing_bench.format_text(document))
-        print(f"\nwritten to {path}")
-        return 0
+        return _written(document, sealing_bench.format_text, args.output)
     if args.command == "growth":
         from . import growth
 
         document = growth.run(
             growth.GrowthOptions(sizes=args.sizes, samples=args.samples, drop_rows=args.drop_rows)
         )
-        path = report.write(document, args.output or report.RESULTS_DIR)
-        print(growth.format_text(document))
-        print(f"\nwritten to {path}")
-        return 0
+        return _written(document, growth.format_text, args.output)
 
     from .runner import Options, run
 
@@ -156,8 +147,15 @@ def main(argv: list[str]) -> int:
     }
     options = Options.quick(**overrides) if args.quick else Options(**overrides)
     document = report.complete(run(options))
-    path = report.write(document, args.output or report.RESULTS_DIR)
-    print(report.format_text(document))
+    return _written(document, report.format_text, args.output)
+
+
+def _written(
+    document: report.Document, format_text: t.Callable[[t.Any], str], output: Path | None
+) -> int:
+    """Write a results document, print it and where it went."""
+    path = report.write(document, output or report.RESULTS_DIR)
+    print(format_text(document))
     print(f"\nwritten to {path}")
     return 0
 

@@ -119,35 +119,24 @@ def bare(url: str | None = None) -> Flask:
 
 def protected(url: str | None = None) -> Flask:
     """The same endpoint behind flask_idem with default settings."""
-    app = Flask("bench_protected")
-    app.config["IDEMPOTENCY_DATABASE_URL"] = database_url(url)
-    idem = Idempotency(tenant=lambda: TENANT)
-    idem.init_app(app)
-    insert = payments.insert()
-
-    @app.post(PAYMENT_PATH)
-    @idem.idempotent
-    def create_payment() -> ResponseReturnValue:
-        row = _new_payment()
-        idem.connection().execute(insert, row)
-        return _created(row)
-
-    app.extensions["bench_engine"] = app.extensions["idempotency"].store.engine
-    _add_bench_routes(app, lambda: current_app.extensions["bench_engine"])
-    return app
+    return _protected("bench_protected", url, atomic=False)
 
 
 def protected_atomic(url: str | None = None) -> Flask:
     """The same endpoint behind flask_idem's atomic claim (its effects are all in the
     database): claim, payment and stored response commit once."""
-    app = Flask("bench_protected_atomic")
+    return _protected("bench_protected_atomic", url, atomic=True)
+
+
+def _protected(name: str, url: str | None, *, atomic: bool) -> Flask:
+    app = Flask(name)
     app.config["IDEMPOTENCY_DATABASE_URL"] = database_url(url)
     idem = Idempotency(tenant=lambda: TENANT)
     idem.init_app(app)
     insert = payments.insert()
 
     @app.post(PAYMENT_PATH)
-    @idem.idempotent(atomic=True)
+    @idem.idempotent(atomic=atomic)
     def create_payment() -> ResponseReturnValue:
         row = _new_payment()
         idem.connection().execute(insert, row)

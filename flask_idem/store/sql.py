@@ -192,10 +192,12 @@ class SQLStore(Store):
             "p_created_at": created_at,
         }
 
+    # The writes of every protected request: built and compiled once per store, so the hot path
+    # only binds values.
+
     @functools.cached_property
-    def _complete_statement(self) -> sa.Update:
-        # Built once per store: the hot path only binds values (no statement construction).
-        return (
+    def _complete_statement(self) -> Precompiled:
+        return Precompiled(
             table.update()
             .where(self._owned())
             .values(
@@ -205,20 +207,22 @@ class SQLStore(Store):
                 response_body=sa.bindparam("p_body", type_=table.c.response_body.type),
                 completed_at=self.now(),
                 lease_expires_at=None,
-            )
+            ),
+            self.engine.dialect,
         )
 
     @functools.cached_property
-    def _release_statement(self) -> sa.Delete:
-        return table.delete().where(self._owned())
+    def _release_statement(self) -> Precompiled:
+        return Precompiled(table.delete().where(self._owned()), self.engine.dialect)
 
     @functools.cached_property
-    def _unknown_statement(self) -> sa.Update:
+    def _unknown_statement(self) -> Precompiled:
         # The lease ends now: the record's TTL counts from here (see ``ttl_after_end``).
-        return (
+        return Precompiled(
             table.update()
             .where(self._owned())
-            .values(state=State.UNKNOWN.value, lease_expires_at=self.now())
+            .values(state=State.UNKNOWN.value, lease_expires_at=self.now()),
+            self.engine.dialect,
         )
 
     def _execute(
@@ -233,39 +237,32 @@ class SQLStore(Store):
             with self.connect() as conn:
                 return Outcome.of(_run(conn, statement, parameters))
 
-    @functools.cached_property
-    def _hot_writes(self) -> dict[str, Precompiled]:
-        """The writes of every protected request, compiled once for this store's dialect."""
-        return {
-            "completed": Precompiled(self._complete_statement, self.engine.dialect),
-            "released": Precompiled(self._release_statement, self.engine.dialect),
-            "unknown": Precompiled(self._unknown_statement, self.engine.dialect),
-        }
-
     def _write(
         self,
-        statement: sa.Update | sa.Delete,
+        statement: sa.Update | sa.Delete | Precompiled,
         parameters: dict[str, t.Any],
         connection: sa.Connection | None = None,
         *,
         scope: Scope,
         event: str,
         returning: t.Sequence[str] = (),
-        hot: str | None = None,
     ) -> Outcome:
         """Run a write that changes a record's state, and audit it when the trail is on.
 
-        ``hot`` names ``statement`` in :attr:`_hot_writes`: it is then sent precompiled.
+        A :class:`Precompiled` statement is sent as it is when that is all there is to do;
+        with ``returning`` or the trail on, its Core statement is extended instead.
 
         Off, this is :meth:`_execute` of ``statement`` (returning ``returning``): nothing more
         is built or sent. On, one audit row per changed row goes in with the write: in the
         same statement on PostgreSQL, in the same transaction on SQLite; the outcome then
         counts the changed rows as the write's row count does.
         """
+        if isinstance(statement, Precompiled):
+            if not returning and not self.audit:
+                return self._execute(statement, parameters, connection)
+            statement = statement.statement
         if returning:
             statement = statement.returning(*(table.c[name] for name in returning))
-        elif not self.audit and hot is not None:
-            return self._execute(self._hot_writes[hot], parameters, connection)
         if not self.audit:
             return self._execute(statement, parameters, connection)
         if not returning:
@@ -332,12 +329,7 @@ class SQLStore(Store):
             )
         event = "unstored" if response is None else "completed"
         outcome = self._write(
-            self._complete_statement,
-            parameters,
-            connection,
-            scope=scope,
-            event=event,
-            hot="completed",
+            self._complete_statement, parameters, connection, scope=scope, event=event
         )
         return outcome.rowcount == 1
 
@@ -350,18 +342,14 @@ class SQLStore(Store):
 
     def release(self, scope: Scope, token: str, *, created_at: dt.datetime | None = None) -> bool:
         parameters = self._owner(scope, token, created_at)
-        outcome = self._write(
-            self._release_statement, parameters, scope=scope, event="released", hot="released"
-        )
+        outcome = self._write(self._release_statement, parameters, scope=scope, event="released")
         return outcome.rowcount == 1
 
     def mark_unknown(
         self, scope: Scope, token: str, *, created_at: dt.datetime | None = None
     ) -> bool:
         parameters = self._owner(scope, token, created_at)
-        outcome = self._write(
-            self._unknown_statement, parameters, scope=scope, event="unknown", hot="unknown"
-        )
+        outcome = self._write(self._unknown_statement, parameters, scope=scope, event="unknown")
         return outcome.rowcount == 1
 
     def renew(
@@ -664,7 +652,10 @@ class Precompiled:
     disconnect handling are SQLAlchemy's as before, and the server sees the same text.
     """
 
-    def __init__(self, statement: sa.UpdateBase, dialect: sa.Dialect) -> None:
+    def __init__(self, statement: sa.Update | sa.Delete, dialect: sa.Dialect) -> None:
+        #: The Core statement, for what needs more than the precompiled text (RETURNING, the
+        #: audit trail's CTE).
+        self.statement = statement
         compiled = statement.compile(dialect=dialect)
         self.sql = str(compiled)
         self._order = tuple(compiled.positiontup or ()) if compiled.positional else None
