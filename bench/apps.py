@@ -1,13 +1,17 @@
 """The apps the bench compares: one payment endpoint, bare, behind flask_idem (durable and
-atomic claim), and behind a hand-written minimal idempotency layer.
+atomic claim), and behind hand-written minimal idempotency layers.
 
 Gunicorn loads them by factory (``bench.apps:bare()``, ``bench.apps:protected()``,
-``bench.apps:protected_atomic()``, ``bench.apps:handwritten()``) and reads the database from
-``BENCH_DATABASE_URL``. All run exactly one payment ``INSERT`` and answer the same 201 JSON,
-so the difference between them is what idempotency costs and nothing else. The protected apps
-use flask_idem with its defaults; their ``INSERT`` goes through ``idem.connection()`` so the
-payment commits with the stored response, as users are told to do. The hand-written layer is
-what a team would write instead (:func:`handwritten`): the reference flask_idem must beat.
+``bench.apps:protected_atomic()``, ``bench.apps:handwritten()``,
+``bench.apps:handwritten_atomic()``, ``bench.apps:handwritten_atomic_partitioned()``) and
+reads the database from ``BENCH_DATABASE_URL``. All run exactly one payment ``INSERT`` and
+answer the same 201 JSON, so the difference between them is what idempotency costs and nothing
+else. The protected apps use flask_idem with its defaults; their ``INSERT`` goes through
+``idem.connection()`` so the payment commits with the stored response, as users are told to
+do. The hand-written layers are what a team would write instead: :func:`handwritten` (durable
+claim) is the reference flask_idem must beat; the one-commit layers
+(:func:`handwritten_atomic`, on a plain table and on flask_idem's partitioned schema) are the
+floor of atomic mode, what one transaction per new key costs with no library at all.
 """
 
 from __future__ import annotations
@@ -147,77 +151,220 @@ def _protected(name: str, url: str | None, *, atomic: bool) -> Flask:
     return app
 
 
-# The hand-written layer: durable claim (it commits before the view, which may call a
-# provider), the business rows and the stored answer in one transaction, replay, 409 while in
-# flight, 422 for another body, and the claim released when the view fails. What it leaves
-# out (what flask_idem adds): leases and recovery of a claim whose worker died (it stays
-# "running": 409 until someone deletes it), expiry, canonical fingerprints, header policy.
-_HW_CLAIM = sa.text(
-    "INSERT INTO bench_handwritten_keys (tenant, key, fingerprint, state)"
-    " VALUES (:tenant, :key, :fingerprint, 'running') ON CONFLICT DO NOTHING RETURNING key"
-)
-_HW_FIND = sa.text(
-    "SELECT fingerprint, state, status, body, headers FROM bench_handwritten_keys"
-    " WHERE tenant = :tenant AND key = :key"
-)
-_HW_DONE = sa.text(
-    "UPDATE bench_handwritten_keys SET state = 'done', status = :status, body = :body,"
-    " headers = :headers WHERE tenant = :tenant AND key = :key"
-)
-_HW_RELEASE = sa.text("DELETE FROM bench_handwritten_keys WHERE tenant = :tenant AND key = :key")
+# The hand-written layers: what a team would write instead of flask_idem, in four variants.
+# Each replays, answers 409 while in flight and 422 for another body, and runs a key's view
+# once; what they leave out (what flask_idem adds): leases and recovery of a claim whose worker
+# died (a durable claim stays "running": 409 until someone deletes it), expiry, canonical
+# fingerprints, header policy, signals.
+#
+# ``handwritten`` (the reference of issue 12, item 3): a durable claim (committed before the
+# view, which may call a provider), then the business rows and the stored answer in one
+# transaction, the claim released when the view fails. ``handwritten-atomic`` (the one-commit
+# layer issue 12 measured as the floor of atomic mode): one transaction looks the key up, runs
+# the view and inserts the completed record; a concurrent duplicate waits on the record's
+# primary key and fails on it (409). Both keep their records in a plain table.
+# ``handwritten-partitioned`` and ``handwritten-atomic-partitioned`` are the same two layers on
+# flask_idem's own schema (``idempotency_keys`` partitioned by ``created_at``, its claim
+# functions, its completion ``UPDATE``): what flask_idem's SQL costs without its Python.
+_KEY_REQUIRED = ({"error": "Idempotency-Key required"}, 400)
+_IN_PROGRESS = ({"error": "request in progress"}, 409)
+#: A claim that is this request's to run (any other claim result is the record found).
+CLAIMED = object()
 
 
-def _hand_idempotent(engine: sa.Engine, view: t.Callable[[], ResponseReturnValue]) -> t.Any:
+class _PlainSchema:
+    """Records in ``bench_handwritten_keys``, keyed by (tenant, key)."""
+
+    claim_sql = sa.text(
+        "INSERT INTO bench_handwritten_keys (tenant, key, fingerprint, state)"
+        " VALUES (:tenant, :key, :fingerprint, 'running') ON CONFLICT DO NOTHING RETURNING key"
+    )
+    find_sql = sa.text(
+        "SELECT fingerprint, state, status, body, headers FROM bench_handwritten_keys"
+        " WHERE tenant = :tenant AND key = :key"
+    )
+    done_sql = sa.text(
+        "UPDATE bench_handwritten_keys SET state = 'done', status = :status, body = :body,"
+        " headers = :headers WHERE tenant = :tenant AND key = :key"
+    )
+    insert_done_sql = sa.text(
+        "INSERT INTO bench_handwritten_keys (tenant, key, fingerprint, state, status, body,"
+        " headers) VALUES (:tenant, :key, :fingerprint, 'done', :status, :body, :headers)"
+    )
+    release_sql = sa.text(
+        "DELETE FROM bench_handwritten_keys WHERE tenant = :tenant AND key = :key"
+    )
+
+    def ids(self, key: str, digest: bytes) -> dict[str, t.Any]:
+        return {"tenant": TENANT, "key": key, "fingerprint": digest}
+
+    def claim(self, conn: sa.Connection, ids: dict[str, t.Any], *, atomic: bool) -> t.Any:
+        # One transaction: the record is only inserted at the end, with the answer.
+        if not atomic and conn.execute(self.claim_sql, ids).first() is not None:
+            return CLAIMED
+        found = conn.execute(self.find_sql, ids).first()
+        return CLAIMED if atomic and found is None else found
+
+    def complete(self, conn: sa.Connection, ids: dict[str, t.Any], *, atomic: bool) -> None:
+        conn.execute(self.insert_done_sql if atomic else self.done_sql, ids)
+
+    def release(self, conn: sa.Connection, ids: dict[str, t.Any]) -> None:
+        conn.execute(self.release_sql, ids)
+
+
+class _PartitionedSchema:
+    """Records in flask_idem's ``idempotency_keys``, through its claim functions."""
+
+    claim_sql = (
+        "SELECT claimed, fingerprint, state, response_status AS status, response_body AS body,"
+        " response_headers AS headers, created_at FROM {function}(%(tenant)s, %(endpoint)s,"
+        " %(key)s, %(fingerprint)s, %(token)s, 86400.0, %(lease)s)"
+    )
+    # The atomic claim found the scope's lock held: a completed record may be replayed anyway.
+    find_sql = (
+        "SELECT fingerprint, state, response_status AS status, response_body AS body,"
+        " response_headers AS headers FROM idempotency_keys WHERE tenant = %(tenant)s"
+        " AND endpoint = %(endpoint)s AND key = %(key)s AND state = 'completed'"
+        " ORDER BY created_at DESC LIMIT 1"
+    )
+    owned = (
+        " WHERE tenant = %(tenant)s AND endpoint = %(endpoint)s AND key = %(key)s"
+        " AND claim_token = %(token)s AND state = 'in_progress' AND created_at = %(created_at)s"
+    )
+    done_sql = (
+        "UPDATE idempotency_keys SET state = 'completed', lease_expires_at = NULL,"
+        " response_status = %(status)s, response_headers = %(headers)s::jsonb,"
+        " response_body = %(body)s, completed_at = now()" + owned
+    )
+    release_sql = "DELETE FROM idempotency_keys" + owned
+
+    def ids(self, key: str, digest: bytes) -> dict[str, t.Any]:
+        return {
+            "tenant": TENANT,
+            "endpoint": f"POST {PAYMENT_PATH}",
+            "key": key,
+            "fingerprint": digest,
+            "token": secrets.token_hex(16),
+        }
+
+    def claim(self, conn: sa.Connection, ids: dict[str, t.Any], *, atomic: bool) -> t.Any:
+        function = "idempotency_claim_atomic" if atomic else "idempotency_claim"
+        sql = self.claim_sql.format(function=function)
+        found = conn.exec_driver_sql(sql, ids | {"lease": 0.0 if atomic else 30.0}).first()
+        if found is None:  # the atomic claim's try-lock: a duplicate holds the scope
+            return conn.exec_driver_sql(self.find_sql, ids).first()
+        if found.claimed:
+            ids["created_at"] = found.created_at
+            return CLAIMED
+        return found
+
+    def complete(self, conn: sa.Connection, ids: dict[str, t.Any], *, atomic: bool) -> None:
+        conn.exec_driver_sql(self.done_sql, ids)
+
+    def release(self, conn: sa.Connection, ids: dict[str, t.Any]) -> None:
+        conn.exec_driver_sql(self.release_sql, ids)
+
+
+def _hand_key() -> tuple[str, bytes] | None:
+    """The request's key (None when missing or too long) and the body's digest."""
+    key = request.headers.get("Idempotency-Key", "")
+    if not 0 < len(key) <= 255:
+        return None
+    return key, hashlib.sha256(request.get_data()).digest()
+
+
+def _hand_snapshot(answer: Response) -> dict[str, t.Any]:
+    saved = {k: answer.headers[k] for k in ("Content-Type", "Location") if k in answer.headers}
+    return {"status": answer.status_code, "body": answer.get_data(), "headers": json.dumps(saved)}
+
+
+def _hand_answer(found: t.Any, digest: bytes) -> ResponseReturnValue:
+    """What a record found answers: 409 unless completed; its stored answer, or 422."""
+    if found is None or found.state not in ("done", "completed"):
+        return _IN_PROGRESS
+    if bytes(found.fingerprint) != digest:
+        return {"error": "key reused with another request"}, 422
+    saved = found.headers if isinstance(found.headers, dict) else json.loads(found.headers)
+    return Response(bytes(found.body), found.status, saved | {"Idempotent-Replayed": "true"})
+
+
+def _hand_layer(
+    engine: sa.Engine, schema: _PlainSchema | _PartitionedSchema, *, atomic: bool
+) -> t.Callable[[t.Callable[[], ResponseReturnValue]], t.Any]:
     auto = engine.execution_options(isolation_level="AUTOCOMMIT")
 
-    @functools.wraps(view)
-    def wrapper() -> ResponseReturnValue:
-        key = request.headers.get("Idempotency-Key", "")
-        if not 0 < len(key) <= 255:
-            return {"error": "Idempotency-Key required"}, 400
-        ids = {"tenant": TENANT, "key": key}
-        digest = hashlib.sha256(request.get_data()).digest()
-        with auto.connect() as conn:
-            if conn.execute(_HW_CLAIM, ids | {"fingerprint": digest}).first() is None:
-                found = conn.execute(_HW_FIND, ids).first()
-                if found is None or found.state != "done":
-                    return {"error": "request in progress"}, 409
-                if bytes(found.fingerprint) != digest:
-                    return {"error": "key reused with another request"}, 422
-                headers = json.loads(found.headers) | {"Idempotent-Replayed": "true"}
-                return Response(bytes(found.body), found.status, headers)
-        try:
-            with engine.begin() as g.bench_connection:
-                answer = current_app.make_response(view())
-                saved = {
-                    k: answer.headers[k]
-                    for k in ("Content-Type", "Location")
-                    if k in answer.headers
-                }
-                done = {
-                    "status": answer.status_code,
-                    "body": answer.get_data(),
-                    "headers": json.dumps(saved),
-                }
-                g.bench_connection.execute(_HW_DONE, ids | done)
-        except BaseException:
+    def decorate(view: t.Callable[[], ResponseReturnValue]) -> t.Any:
+        @functools.wraps(view)
+        def wrapper() -> ResponseReturnValue:
+            keyed = _hand_key()
+            if keyed is None:
+                return _KEY_REQUIRED
+            ids = schema.ids(*keyed)
+            if atomic:
+                with engine.connect() as conn, conn.begin() as transaction:
+                    found = schema.claim(conn, ids, atomic=True)
+                    if found is not CLAIMED:
+                        transaction.rollback()
+                        return _hand_answer(found, keyed[1])
+                    g.bench_connection = conn
+                    answer = current_app.make_response(view())
+                    try:
+                        schema.complete(conn, ids | _hand_snapshot(answer), atomic=True)
+                    except sa.exc.IntegrityError:  # a duplicate committed first
+                        transaction.rollback()
+                        return _IN_PROGRESS
+                    return answer
             with auto.connect() as conn:
-                conn.execute(_HW_RELEASE, ids)
-            raise
-        return answer
+                found = schema.claim(conn, ids, atomic=False)
+            if found is not CLAIMED:
+                return _hand_answer(found, keyed[1])
+            try:
+                with engine.begin() as g.bench_connection:
+                    answer = current_app.make_response(view())
+                    schema.complete(g.bench_connection, ids | _hand_snapshot(answer), atomic=False)
+            except BaseException:
+                with auto.connect() as conn:
+                    schema.release(conn, ids)
+                raise
+            return answer
 
-    return wrapper
+        return wrapper
+
+    return decorate
 
 
 def handwritten(url: str | None = None) -> Flask:
-    """The same endpoint behind the minimal layer above: the reference flask_idem is compared
-    with (same pool, same payment INSERT)."""
-    app = Flask("bench_handwritten")
+    """The endpoint behind the durable hand-written layer: the reference flask_idem is
+    compared with (same pool, same payment INSERT)."""
+    return _handwritten("bench_handwritten", url, _PlainSchema(), atomic=False)
+
+
+def handwritten_atomic(url: str | None = None) -> Flask:
+    """The endpoint behind the one-commit hand-written layer, on a plain table."""
+    return _handwritten("bench_handwritten_atomic", url, _PlainSchema(), atomic=True)
+
+
+def handwritten_partitioned(url: str | None = None) -> Flask:
+    """The durable hand-written layer on flask_idem's schema (needs ``alembic upgrade``)."""
+    return _handwritten("bench_handwritten_partitioned", url, _PartitionedSchema(), atomic=False)
+
+
+def handwritten_atomic_partitioned(url: str | None = None) -> Flask:
+    """The one-commit hand-written layer on flask_idem's schema (needs ``alembic upgrade``)."""
+    return _handwritten(
+        "bench_handwritten_atomic_partitioned", url, _PartitionedSchema(), atomic=True
+    )
+
+
+def _handwritten(
+    name: str, url: str | None, schema: _PlainSchema | _PartitionedSchema, *, atomic: bool
+) -> Flask:
+    app = Flask(name)
     engine = sa.create_engine(database_url(url), pool_size=10, max_overflow=20, pool_timeout=5)
     insert = payments.insert()
 
     @app.post(PAYMENT_PATH)
-    @functools.partial(_hand_idempotent, engine)
+    @_hand_layer(engine, schema, atomic=atomic)
     def create_payment() -> ResponseReturnValue:
         row = _new_payment()
         g.bench_connection.execute(insert, row)

@@ -39,6 +39,9 @@ FACTORIES: dict[str, t.Callable[[str], t.Any]] = {
     "idem": apps.protected,
     "idem-atomic": apps.protected_atomic,
     "handwritten": apps.handwritten,
+    "handwritten-atomic": apps.handwritten_atomic,
+    "handwritten-partitioned": apps.handwritten_partitioned,
+    "handwritten-atomic-partitioned": apps.handwritten_atomic_partitioned,
 }
 GROUPS = (
     ("flask_idem", ("/flask_idem/",)),
@@ -204,7 +207,7 @@ def run(requests: int = 1_000, only: t.Sequence[str] = ()) -> list[Profiled]:
             url = sa.make_url(apps.database_url(cluster.url)).set(database=name)
             rendered = url.render_as_string(hide_password=False)
             apps.create_schema(rendered)
-            if app_name.startswith("idem"):
+            if app_name.startswith("idem") or app_name.endswith("partitioned"):
                 upgrade(rendered)
             for scenario in ("S1", "S2"):
                 result = profile(app_name, rendered, admin, scenario, requests)

@@ -1,8 +1,11 @@
 """The A/B bench: every app, the same load, interleaved rounds, the server's own counters.
 
 The apps (:mod:`bench.apps`): ``bare`` (the floor), ``idem`` (flask_idem, durable claim),
-``idem-atomic`` (flask_idem, ``atomic=True``) and ``handwritten`` (a minimal layer written by
-hand, the reference). Scenarios (each at every concurrency, each round running the apps in
+``idem-atomic`` (flask_idem, ``atomic=True``), ``handwritten`` (a minimal layer written by
+hand, the reference), the one-commit hand-written layer ``handwritten-atomic`` (the floor of
+atomic mode), and both hand-written layers again on flask_idem's partitioned schema
+(``handwritten-partitioned``, ``handwritten-atomic-partitioned``): what its SQL costs without
+its Python. Scenarios (each at every concurrency, each round running the apps in
 order, the next round in reverse order so that slow drift of the machine favours none):
 
 S1  every request carries a new key: the full claim, business transaction and completion;
@@ -36,17 +39,30 @@ from .apps import create_schema, database_url
 from .db import Probe, Server, cpu_delta
 from .servers import Gunicorn
 
-APPS = ("bare", "idem", "idem-atomic", "handwritten")
+APPS = (
+    "bare",
+    "idem",
+    "idem-atomic",
+    "handwritten",
+    "handwritten-atomic",
+    "handwritten-partitioned",
+    "handwritten-atomic-partitioned",
+)
 FACTORIES = {
     "bare": "bare",
     "idem": "protected",
     "idem-atomic": "protected_atomic",
     "handwritten": "handwritten",
+    "handwritten-atomic": "handwritten_atomic",
+    "handwritten-partitioned": "handwritten_partitioned",
+    "handwritten-atomic-partitioned": "handwritten_atomic_partitioned",
 }
-#: Apps whose databases need flask_idem's schema.
+#: flask_idem's apps.
 IDEM_APPS = ("idem", "idem-atomic")
+#: Apps whose databases need flask_idem's schema.
+SCHEMA_APPS = (*IDEM_APPS, "handwritten-partitioned", "handwritten-atomic-partitioned")
 #: Apps that must create one payment per key (every app but the floor).
-PROTECTED_APPS = ("idem", "idem-atomic", "handwritten")
+PROTECTED_APPS = APPS[1:]
 SCENARIOS = ("S1", "S2")
 SCENARIO_NAMES = {"S1": "S1 new key", "S2": "S2 replay", "S3": "S3 storm"}
 
@@ -350,12 +366,18 @@ _MARKERS = {
     "idem": "idempotency_claim(",
     "idem-atomic": "idempotency_claim_atomic(",
     "handwritten": "INSERT INTO bench_handwritten_keys",
+    "handwritten-atomic": "SELECT fingerprint, state, status, body, headers FROM bench_hand",
+    "handwritten-partitioned": "idempotency_claim(",
+    "handwritten-atomic-partitioned": "idempotency_claim_atomic(",
 }
 #: Where each protected app keeps its records (counted after the storms).
 _RECORDS = {
     "idem": "idempotency_keys",
     "idem-atomic": "idempotency_keys",
     "handwritten": "bench_handwritten_keys",
+    "handwritten-atomic": "bench_handwritten_keys",
+    "handwritten-partitioned": "idempotency_keys",
+    "handwritten-atomic-partitioned": "idempotency_keys",
 }
 
 
@@ -399,7 +421,7 @@ def run(options: Options) -> dict[str, t.Any]:
         }
         for url in databases.values():
             create_schema(url)
-        for app in IDEM_APPS:
+        for app in SCHEMA_APPS:
             upgrade(databases[app])
         probe = Probe(control)
         stack.callback(probe.dispose)

@@ -15,7 +15,17 @@ from werkzeug.serving import make_server
 
 from bench import load, report, runner
 from bench.__main__ import parse
-from bench.apps import HEALTH_PATH, bare, create_schema, handwritten, protected, protected_atomic
+from bench.apps import (
+    HEALTH_PATH,
+    bare,
+    create_schema,
+    handwritten,
+    handwritten_atomic,
+    handwritten_atomic_partitioned,
+    handwritten_partitioned,
+    protected,
+    protected_atomic,
+)
 from flask_idem.migrate import upgrade
 
 BODY = {"amount": 4200, "currency": "EUR", "customer": "cus_bench"}
@@ -44,7 +54,18 @@ def _rows(url: str, key: str) -> int:
 
 
 @pytest.mark.postgresql
-@pytest.mark.parametrize("factory", [bare, protected, protected_atomic, handwritten])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        bare,
+        protected,
+        protected_atomic,
+        handwritten,
+        handwritten_atomic,
+        handwritten_partitioned,
+        handwritten_atomic_partitioned,
+    ],
+)
 def test_apps_answer_the_same_payment(bench_url: str, factory: t.Any) -> None:
     app = factory(bench_url)
     try:
@@ -104,6 +125,47 @@ def test_handwritten_layer_409_in_flight_and_release_on_failure(bench_url: str) 
         engine.dispose()
 
 
+@pytest.mark.postgresql
+@pytest.mark.parametrize(
+    "factory",
+    [handwritten, handwritten_atomic, handwritten_partitioned, handwritten_atomic_partitioned],
+)
+def test_hand_written_layers_run_a_key_once_under_concurrency(
+    bench_url: str, factory: t.Any
+) -> None:
+    """The references are correct layers too: 8 threads on one key, one payment, the others
+    replayed or 409; a failing view leaves nothing and its retry runs."""
+    app = factory(bench_url)
+    storm, fails = f"storm-{factory.__name__}", f"fails-{factory.__name__}"
+    try:
+        barrier = threading.Barrier(8)
+        statuses: list[int] = []
+
+        def send() -> None:
+            client = app.test_client()
+            barrier.wait()
+            answer = client.post("/payments", json=BODY, headers={"Idempotency-Key": storm})
+            statuses.append(answer.status_code)
+
+        threads = [threading.Thread(target=send) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert _rows(bench_url, storm) == 1
+        assert set(statuses) <= {201, 409} and 201 in statuses
+        client = app.test_client()
+        app.config["PROPAGATE_EXCEPTIONS"] = False
+        headers = {"Idempotency-Key": fails}
+        assert (
+            client.post("/payments", json={"currency": "EUR"}, headers=headers).status_code == 500
+        )
+        assert client.post("/payments", json=BODY, headers=headers).status_code == 201
+        assert _rows(bench_url, fails) == 1
+    finally:
+        app.extensions["bench_engine"].dispose()
+
+
 def test_every_app_has_a_factory_a_marker_and_records() -> None:
     from bench import apps
 
@@ -112,6 +174,7 @@ def test_every_app_has_a_factory_a_marker_and_records() -> None:
         assert app in runner._MARKERS
     assert set(runner._RECORDS) == set(runner.PROTECTED_APPS)
     assert set(runner.IDEM_APPS) == set(report.IDEM_APPS)
+    assert set(report.REFERENCES.values()) <= set(runner.APPS)
     # The durable claim's marker must not count the atomic claim's calls.
     assert runner._MARKERS["idem"] not in "SELECT * FROM idempotency_claim_atomic($1)"
 
@@ -185,10 +248,12 @@ def _run(round_: int, scenario: str, app: str, rps: float, p99: float) -> dict[s
         ("S1", "idem"): (5.0, 2.0, 1.3),
         ("S1", "idem-atomic"): (5.0, 1.0, 1.2),
         ("S1", "handwritten"): (5.0, 2.0, 1.4),
+        ("S1", "handwritten-atomic"): (5.0, 1.0, 1.1),
         ("S2", "bare"): (3.0, 1.0, 1.0),
         ("S2", "idem"): (1.0, 0.0, 0.5),
         ("S2", "idem-atomic"): (3.0, 0.0, 0.6),
         ("S2", "handwritten"): (2.0, 0.0, 0.6),
+        ("S2", "handwritten-atomic"): (3.0, 0.0, 0.55),
     }
     statements, commits, cpu = per_request[scenario, app]
     return {
@@ -224,10 +289,12 @@ def _document() -> dict[str, t.Any]:
             _run(round_, "S1", "idem", 100.0 * s1, 12.0),
             _run(round_, "S1", "idem-atomic", 100.0 * (s1 + 0.05), 11.0),
             _run(round_, "S1", "handwritten", 100.0 * (s1 - 0.1), 12.0),
+            _run(round_, "S1", "handwritten-atomic", 100.0 * (s1 + 0.1), 10.0),
             _run(round_, "S2", "bare", 100.0, 10.0),
             _run(round_, "S2", "idem", 100.0 * s2, 8.0),
             _run(round_, "S2", "idem-atomic", 100.0 * s2, 8.0),
             _run(round_, "S2", "handwritten", 100.0 * s2, 8.0),
+            _run(round_, "S2", "handwritten-atomic", 100.0 * s2, 8.0),
         ]
     storms = [
         {
@@ -261,7 +328,24 @@ def test_report_ratios_targets_and_files(tmp_path: Path) -> None:
     assert idem_s1["p99_ratio"]["median"] == pytest.approx(1.2)
     assert idem_s1["hand_ratio"]["median"] == pytest.approx(0.8 / 0.7)
     assert idem_s1["cpu_ratio"]["median"] == pytest.approx(1.3)
-    verdicts = {target["target"]: target["holds"] for target in document["targets"]}
+    atomic_s1 = next(
+        r for r in document["summary"] if (r["scenario"], r["app"]) == ("S1", "idem-atomic")
+    )
+    # The atomic app is compared with the one-commit hand-written layer.
+    assert atomic_s1["hand_ratio"]["median"] == pytest.approx(0.85 / 0.9)
+    floors = {t["target"]: t["value"] for t in document["targets"] if t.get("floor")}
+    # Floors: what the hand-written layers reach, no verdict; only apps in the run.
+    assert floors == {
+        "  floor handwritten-atomic S1 x bare req/s": pytest.approx(0.9),
+        "  floor handwritten-atomic S1 x bare CPU": pytest.approx(1.1),
+        "  floor handwritten-atomic S2 x bare req/s": pytest.approx(1.4),
+        "  floor handwritten-atomic S2 x bare CPU": pytest.approx(0.55),
+        "  floor handwritten S1 x bare req/s": pytest.approx(0.7),
+        "  floor handwritten S2 x bare req/s": pytest.approx(1.4),
+        "  floor handwritten S2 x bare CPU": pytest.approx(0.6),
+    }
+    assert all(t["holds"] is None for t in document["targets"] if t.get("floor"))
+    verdicts = {t["target"]: t["holds"] for t in document["targets"] if not t.get("floor")}
     assert verdicts == {
         "atomic S1 >= 0.75x bare req/s": True,
         "atomic S1 server CPU <= 1.35x bare": True,
