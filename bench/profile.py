@@ -7,7 +7,8 @@ tracking planning. For S1 (new keys) and S2 (replays) it reports:
 - the app's CPU per request (``time.process_time``, so waiting for the database is not
   counted) and the same under ``cProfile`` with that CPU timer, grouped by package
   (flask_idem, SQLAlchemy, psycopg2's C calls, Flask/Werkzeug, json/hashlib, the rest) and
-  the top functions by own time;
+  the top functions by own time, and the Python function calls per request (a count, the
+  same on every run: the figure to compare hot-path changes by on a noisy machine);
 - the database's statements per request with mean execution and planning time.
 
 The test client's own cost is in every app's figure alike; compare apps, not absolutes.
@@ -60,6 +61,9 @@ class Profiled:
     cpu_us: float
     wall_us: float
     profiled_cpu_us: float
+    #: Python function calls per request (C functions included), from cProfile: unlike CPU
+    #: time, the same on every run, so changes to the hot path can be compared on a noisy VM.
+    python_calls: float
     groups: dict[str, float]
     top: list[tuple[str, int, float]]
     #: flask_idem's own functions by inclusive time (callees included): what each step costs.
@@ -141,10 +145,12 @@ def profile(app_name: str, url: str, admin: sa.Engine, scenario: str, requests: 
         top = []
         steps = []
         total = 0.0
+        calls_total = 0
         for (filename, _, name), (_, calls, own, inclusive, _) in stats.stats.items():  # type: ignore[attr-defined]
             label = _group(filename, name)
             groups[label] = groups.get(label, 0.0) + own
             total += own
+            calls_total += calls
             top.append((f"{_shorten(filename)}:{name}", calls, own))
             if "/flask_idem/" in filename:
                 steps.append((f"{_shorten(filename)}:{name}", calls, inclusive))
@@ -157,6 +163,7 @@ def profile(app_name: str, url: str, admin: sa.Engine, scenario: str, requests: 
             cpu_us=cpu / requests * 1e6,
             wall_us=wall / requests * 1e6,
             profiled_cpu_us=total / requests * 1e6,
+            python_calls=calls_total / requests,
             groups={k: v / requests * 1e6 for k, v in sorted(groups.items(), key=lambda i: -i[1])},
             top=[(name, calls // requests, own / requests * 1e6) for name, calls, own in top[:18]],
             steps=[(name, calls // requests, t / requests * 1e6) for name, calls, t in steps[:24]],
@@ -171,7 +178,8 @@ def format_text(results: list[Profiled]) -> str:
     for r in results:
         out.append(
             f"== {r.app} {r.scenario}: app CPU {r.cpu_us:.0f} us/req, wall {r.wall_us:.0f} us/req "
-            f"(under cProfile {r.profiled_cpu_us:.0f} us/req)"
+            f"(under cProfile {r.profiled_cpu_us:.0f} us/req), "
+            f"{r.python_calls:.0f} Python calls/req"
         )
         out.append(
             "   by package (own CPU us/req, cProfile): "
