@@ -8,7 +8,8 @@ tracking planning. For S1 (new keys) and S2 (replays) it reports:
   counted) and the same under ``cProfile`` with that CPU timer, grouped by package
   (flask_idem, SQLAlchemy, psycopg2's C calls, Flask/Werkzeug, json/hashlib, the rest) and
   the top functions by own time, and the Python function calls per request (a count, the
-  same on every run: the figure to compare hot-path changes by on a noisy machine);
+  same on every run: the figure to compare hot-path changes by on a noisy machine), with the
+  calls each flask_idem step (or hand-written layer function) makes itself;
 - the database's statements per request with mean execution and planning time.
 
 The test client's own cost is in every app's figure alike; compare apps, not absolutes.
@@ -24,6 +25,7 @@ import pstats
 import secrets
 import sys
 import time
+import types
 import typing as t
 import uuid
 
@@ -68,6 +70,9 @@ class Profiled:
     top: list[tuple[str, int, float]]
     #: flask_idem's own functions by inclusive time (callees included): what each step costs.
     steps: list[tuple[str, int, float]]
+    #: Python calls per request attributed to the innermost flask_idem (or bench layer)
+    #: function on the stack: which step makes the calls (a count, like ``python_calls``).
+    callers: list[tuple[str, float]]
     statements: list[tuple[str, float, float, float]]
 
 
@@ -156,6 +161,7 @@ def profile(app_name: str, url: str, admin: sa.Engine, scenario: str, requests: 
                 steps.append((f"{_shorten(filename)}:{name}", calls, inclusive))
         top.sort(key=lambda item: -item[2])
         steps.sort(key=lambda item: -item[2])
+        callers = _attributed_calls(lambda n: one(2 * requests + n), min(requests, 100))
         return Profiled(
             app=app_name,
             scenario=scenario,
@@ -168,9 +174,42 @@ def profile(app_name: str, url: str, admin: sa.Engine, scenario: str, requests: 
             top=[(name, calls // requests, own / requests * 1e6) for name, calls, own in top[:18]],
             steps=[(name, calls // requests, t / requests * 1e6) for name, calls, t in steps[:24]],
             statements=statements,
+            callers=callers,
         )
     finally:
         app.extensions["bench_engine"].dispose()
+
+
+#: Code whose calls are attributed to its own functions (flask_idem, the hand-written layers).
+_OWNERS = ("/flask_idem/", "/bench/apps.py")
+
+
+def _attributed_calls(one: t.Callable[[int], None], requests: int) -> list[tuple[str, float]]:
+    """Run ``requests`` requests counting every call (Python and C) against the innermost
+    flask_idem or bench-layer function on the stack; calls outside any are left out."""
+    counts: dict[str | None, int] = {}
+    stack: list[str | None] = []
+
+    def count(frame: types.FrameType, event: str, _arg: t.Any) -> None:
+        if event in ("call", "c_call"):
+            owner = stack[-1] if stack else None
+            counts[owner] = counts.get(owner, 0) + 1
+            if event == "call":
+                code = frame.f_code
+                mine = any(part in code.co_filename for part in _OWNERS)
+                stack.append(f"{_shorten(code.co_filename)}:{code.co_name}" if mine else owner)
+        elif event == "return" and stack:
+            stack.pop()
+
+    sys.setprofile(count)
+    try:
+        for n in range(requests):
+            one(n)
+    finally:
+        sys.setprofile(None)
+    counts.pop(None, None)
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    return [(str(name), calls / requests) for name, calls in ranked[:20]]
 
 
 def format_text(results: list[Profiled]) -> str:
@@ -195,6 +234,12 @@ def format_text(results: list[Profiled]) -> str:
             out.append("   flask_idem, inclusive time (us/req, calls/req):")
             for name, calls, inclusive in r.steps:
                 out.append(f"     {inclusive:7.1f} {calls:4d}  {name}")
+        if r.callers:
+            out.append(
+                "   Python calls/req made by each step (innermost flask_idem or layer frame):"
+            )
+            for name, calls in r.callers:
+                out.append(f"     {calls:7.1f}  {name}")
     return "\n".join(out)
 
 

@@ -417,3 +417,18 @@ def test_sealing_bench_measures_every_variant(tmp_path: Path, pg_url: str) -> No
     text = sealing.format_text(document)
     assert "zlib+aes" in text and "Bytes per row" in text
     assert parse(["sealing", "--quick"]).command == "sealing"
+
+
+def test_profile_attributes_calls_to_the_innermost_layer_function() -> None:
+    from bench import apps
+    from bench.profile import _attributed_calls
+
+    def one(_n: int) -> None:
+        apps.database_url("postgresql://bench@localhost/bench")
+
+    one(0)  # first use loads and caches SQLAlchemy's dialect
+    counted = dict(_attributed_calls(one, 3))
+    assert set(counted) == {"/bench/apps.py:database_url"}
+    # A count per request, not a time: the same for any number of requests.
+    assert counted == dict(_attributed_calls(one, 7))
+    assert counted["/bench/apps.py:database_url"] >= 3
