@@ -16,6 +16,7 @@ floor of atomic mode, what one transaction per new key costs with no library at 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -193,6 +194,7 @@ class _PlainSchema:
     )
     release_sql = sa.text(
         "DELETE FROM bench_handwritten_keys WHERE tenant = :tenant AND key = :key"
+        " AND state = 'running'"
     )
 
     def ids(self, key: str, digest: bytes) -> dict[str, t.Any]:
@@ -225,7 +227,7 @@ class _PartitionedSchema:
         "SELECT fingerprint, state, response_status AS status, response_body AS body,"
         " response_headers AS headers FROM idempotency_keys WHERE tenant = %(tenant)s"
         " AND endpoint = %(endpoint)s AND key = %(key)s AND state = 'completed'"
-        " ORDER BY created_at DESC LIMIT 1"
+        " AND expires_at > now() ORDER BY created_at DESC LIMIT 1"
     )
     owned = (
         " WHERE tenant = %(tenant)s AND endpoint = %(endpoint)s AND key = %(key)s"
@@ -288,11 +290,25 @@ def _hand_answer(found: t.Any, digest: bytes) -> ResponseReturnValue:
     return Response(bytes(found.body), found.status, saved | {"Idempotent-Replayed": "true"})
 
 
+@contextlib.contextmanager
+def _autocommit(engine: sa.Engine) -> t.Iterator[sa.Connection]:
+    """A pooled connection in autocommit, the driver's flag flipped directly as flask_idem
+    does: SQLAlchemy's ``AUTOCOMMIT`` isolation level would cost one more statement
+    (``SET default_transaction_isolation``) each time the connection goes back to the pool."""
+    with engine.connect() as conn:
+        dbapi_connection = conn.connection.dbapi_connection
+        assert dbapi_connection is not None
+        dbapi_connection.autocommit = True
+        try:
+            yield conn
+        finally:
+            if not dbapi_connection.closed:
+                dbapi_connection.autocommit = False
+
+
 def _hand_layer(
     engine: sa.Engine, schema: _PlainSchema | _PartitionedSchema, *, atomic: bool
 ) -> t.Callable[[t.Callable[[], ResponseReturnValue]], t.Any]:
-    auto = engine.execution_options(isolation_level="AUTOCOMMIT")
-
     def decorate(view: t.Callable[[], ResponseReturnValue]) -> t.Any:
         @functools.wraps(view)
         def wrapper() -> ResponseReturnValue:
@@ -314,7 +330,7 @@ def _hand_layer(
                         transaction.rollback()
                         return _IN_PROGRESS
                     return answer
-            with auto.connect() as conn:
+            with _autocommit(engine) as conn:
                 found = schema.claim(conn, ids, atomic=False)
             if found is not CLAIMED:
                 return _hand_answer(found, keyed[1])
@@ -323,7 +339,7 @@ def _hand_layer(
                     answer = current_app.make_response(view())
                     schema.complete(g.bench_connection, ids | _hand_snapshot(answer), atomic=False)
             except BaseException:
-                with auto.connect() as conn:
+                with _autocommit(engine) as conn:
                     schema.release(conn, ids)
                 raise
             return answer

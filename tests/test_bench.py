@@ -166,6 +166,91 @@ def test_hand_written_layers_run_a_key_once_under_concurrency(
         app.extensions["bench_engine"].dispose()
 
 
+def _admin(url: str, **options: t.Any) -> sa.Engine:
+    return sa.create_engine(sa.make_url(url).set(drivername="postgresql+psycopg2"), **options)
+
+
+_SCOPE_LOCK = (
+    "SELECT pg_advisory_xact_lock(hashtext('flask_idem'),"
+    " hashtext('bench' || E'\\x1f' || 'POST /payments' || E'\\x1f' || :key))"
+)
+
+
+@pytest.mark.postgresql
+def test_partitioned_layer_409_in_flight_and_releases_only_its_own_claim(bench_url: str) -> None:
+    app = handwritten_partitioned(bench_url)
+    admin = _admin(bench_url, isolation_level="AUTOCOMMIT")
+    try:
+        client = app.test_client()
+        with admin.connect() as conn:
+            # A claim in progress (another worker's), and an expired record of another key.
+            conn.exec_driver_sql(
+                "SELECT * FROM idempotency_claim('bench', 'POST /payments', 'pt-running',"
+                " '\\x00', 'other', 86400, 30)"
+            )
+            conn.exec_driver_sql(
+                "INSERT INTO idempotency_keys (tenant, endpoint, key, fingerprint, state,"
+                " created_at, completed_at, expires_at) VALUES ('bench', 'POST /payments',"
+                " 'pt-fails', '\\x00', 'completed', now() - interval '3 days',"
+                " now() - interval '3 days', now() - interval '2 days')"
+            )
+        headers = {"Idempotency-Key": "pt-running"}
+        assert client.post("/payments", json=BODY, headers=headers).status_code == 409
+        app.config["PROPAGATE_EXCEPTIONS"] = False
+        headers = {"Idempotency-Key": "pt-fails"}
+        assert (
+            client.post("/payments", json={"currency": "EUR"}, headers=headers).status_code == 500
+        )
+        with admin.connect() as conn:
+            left = conn.exec_driver_sql(
+                "SELECT state FROM idempotency_keys WHERE key = 'pt-fails'"
+            ).scalars()
+            # The failed claim is gone; the expired record it did not own is not.
+            assert list(left) == ["completed"]
+        assert client.post("/payments", json=BODY, headers=headers).status_code == 201
+        assert _rows(bench_url, "pt-fails") == 1
+    finally:
+        app.extensions["bench_engine"].dispose()
+        admin.dispose()
+
+
+@pytest.mark.postgresql
+def test_atomic_partitioned_layer_never_waits_for_a_held_scope(bench_url: str) -> None:
+    """With the scope's lock held elsewhere: a completed key replays, a new one is 409, and
+    neither waits for the lock (the atomic claim only tries it)."""
+    app = handwritten_atomic_partitioned(bench_url)
+    admin = _admin(bench_url)
+    try:
+        client = app.test_client()
+        done = {"Idempotency-Key": "apt-done"}
+        first = client.post("/payments", json=BODY, headers=done)
+        assert first.status_code == 201
+        for key, expected in (("apt-done", 201), ("apt-new", 409)):
+            answers: list[t.Any] = []
+            with admin.connect() as holder, holder.begin():
+                holder.execute(sa.text(_SCOPE_LOCK), {"key": key})
+                sender = threading.Thread(
+                    target=lambda key=key: answers.append(
+                        app.test_client().post(
+                            "/payments", json=BODY, headers={"Idempotency-Key": key}
+                        )
+                    )
+                )
+                sender.start()
+                sender.join(timeout=5)
+                waited = sender.is_alive()
+            sender.join()
+            assert not waited, "the claim waited for the held lock"
+            assert answers[0].status_code == expected
+            if expected == 201:
+                assert answers[0].headers["Idempotent-Replayed"] == "true"
+                assert answers[0].get_json() == first.get_json()
+        assert _rows(bench_url, "apt-new") == 0
+    finally:
+        app.extensions["bench_engine"].dispose()
+        admin.dispose()
+
+
 def test_every_app_has_a_factory_a_marker_and_records() -> None:
     from bench import apps
 
@@ -249,11 +334,15 @@ def _run(round_: int, scenario: str, app: str, rps: float, p99: float) -> dict[s
         ("S1", "idem-atomic"): (5.0, 1.0, 1.2),
         ("S1", "handwritten"): (5.0, 2.0, 1.4),
         ("S1", "handwritten-atomic"): (5.0, 1.0, 1.1),
+        ("S1", "handwritten-partitioned"): (5.0, 2.0, 1.45),
+        ("S1", "handwritten-atomic-partitioned"): (5.0, 1.0, 1.15),
         ("S2", "bare"): (3.0, 1.0, 1.0),
         ("S2", "idem"): (1.0, 0.0, 0.5),
         ("S2", "idem-atomic"): (3.0, 0.0, 0.6),
         ("S2", "handwritten"): (2.0, 0.0, 0.6),
         ("S2", "handwritten-atomic"): (3.0, 0.0, 0.55),
+        ("S2", "handwritten-partitioned"): (1.0, 0.0, 0.65),
+        ("S2", "handwritten-atomic-partitioned"): (3.0, 0.0, 0.7),
     }
     statements, commits, cpu = per_request[scenario, app]
     return {
@@ -290,11 +379,15 @@ def _document() -> dict[str, t.Any]:
             _run(round_, "S1", "idem-atomic", 100.0 * (s1 + 0.05), 11.0),
             _run(round_, "S1", "handwritten", 100.0 * (s1 - 0.1), 12.0),
             _run(round_, "S1", "handwritten-atomic", 100.0 * (s1 + 0.1), 10.0),
+            _run(round_, "S1", "handwritten-partitioned", 100.0 * (s1 - 0.2), 10.0),
+            _run(round_, "S1", "handwritten-atomic-partitioned", 100.0 * (s1 - 0.05), 10.0),
             _run(round_, "S2", "bare", 100.0, 10.0),
             _run(round_, "S2", "idem", 100.0 * s2, 8.0),
             _run(round_, "S2", "idem-atomic", 100.0 * s2, 8.0),
             _run(round_, "S2", "handwritten", 100.0 * s2, 8.0),
             _run(round_, "S2", "handwritten-atomic", 100.0 * s2, 8.0),
+            _run(round_, "S2", "handwritten-partitioned", 100.0 * (s2 - 0.1), 8.0),
+            _run(round_, "S2", "handwritten-atomic-partitioned", 100.0 * (s2 - 0.2), 8.0),
         ]
     storms = [
         {
@@ -343,6 +436,13 @@ def test_report_ratios_targets_and_files(tmp_path: Path) -> None:
         "  floor handwritten S1 x bare req/s": pytest.approx(0.7),
         "  floor handwritten S2 x bare req/s": pytest.approx(1.4),
         "  floor handwritten S2 x bare CPU": pytest.approx(0.6),
+        "  floor handwritten-partitioned S1 x bare req/s": pytest.approx(0.6),
+        "  floor handwritten-partitioned S2 x bare req/s": pytest.approx(1.3),
+        "  floor handwritten-partitioned S2 x bare CPU": pytest.approx(0.65),
+        "  floor handwritten-atomic-partitioned S1 x bare req/s": pytest.approx(0.75),
+        "  floor handwritten-atomic-partitioned S1 x bare CPU": pytest.approx(1.15),
+        "  floor handwritten-atomic-partitioned S2 x bare req/s": pytest.approx(1.2),
+        "  floor handwritten-atomic-partitioned S2 x bare CPU": pytest.approx(0.7),
     }
     assert all(t["holds"] is None for t in document["targets"] if t.get("floor"))
     verdicts = {t["target"]: t["holds"] for t in document["targets"] if not t.get("floor")}
