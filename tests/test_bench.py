@@ -214,6 +214,10 @@ def test_partitioned_layer_409_in_flight_and_releases_only_its_own_claim(bench_u
         admin.dispose()
 
 
+def _send(app: flask.Flask, key: str, answers: list[t.Any]) -> None:
+    answers.append(app.test_client().post("/payments", json=BODY, headers={"Idempotency-Key": key}))
+
+
 @pytest.mark.postgresql
 def test_atomic_partitioned_layer_never_waits_for_a_held_scope(bench_url: str) -> None:
     """With the scope's lock held elsewhere: a completed key replays, a new one is 409, and
@@ -229,13 +233,7 @@ def test_atomic_partitioned_layer_never_waits_for_a_held_scope(bench_url: str) -
             answers: list[t.Any] = []
             with admin.connect() as holder, holder.begin():
                 holder.execute(sa.text(_SCOPE_LOCK), {"key": key})
-                sender = threading.Thread(
-                    target=lambda key=key: answers.append(
-                        app.test_client().post(
-                            "/payments", json=BODY, headers={"Idempotency-Key": key}
-                        )
-                    )
-                )
+                sender = threading.Thread(target=_send, args=(app, key, answers))
                 sender.start()
                 sender.join(timeout=5)
                 waited = sender.is_alive()
