@@ -3,15 +3,16 @@ atomic claim), and behind hand-written minimal idempotency layers.
 
 Gunicorn loads them by factory (``bench.apps:bare()``, ``bench.apps:protected()``,
 ``bench.apps:protected_atomic()``, ``bench.apps:handwritten()``,
-``bench.apps:handwritten_atomic()``, ``bench.apps:handwritten_atomic_partitioned()``) and
-reads the database from ``BENCH_DATABASE_URL``. All run exactly one payment ``INSERT`` and
-answer the same 201 JSON, so the difference between them is what idempotency costs and nothing
-else. The protected apps use flask_idem with its defaults; their ``INSERT`` goes through
-``idem.connection()`` so the payment commits with the stored response, as users are told to
-do. The hand-written layers are what a team would write instead: :func:`handwritten` (durable
-claim) is the reference flask_idem must beat; the one-commit layers
-(:func:`handwritten_atomic`, on a plain table and on flask_idem's partitioned schema) are the
-floor of atomic mode, what one transaction per new key costs with no library at all.
+``bench.apps:handwritten_atomic()``, ``bench.apps:handwritten_partitioned()``,
+``bench.apps:handwritten_atomic_partitioned()``) and reads the database from
+``BENCH_DATABASE_URL``. All run exactly one payment ``INSERT`` and answer the same 201 JSON, so
+the difference between them is what idempotency costs and nothing else. The protected apps use
+flask_idem with its defaults; their ``INSERT`` goes through ``idem.connection()`` so the
+payment commits with the stored response, as users are told to do. The hand-written layers are
+what a team would write instead: :func:`handwritten` (durable claim) is the reference
+flask_idem must beat, :func:`handwritten_atomic` (one commit) the floor of atomic mode, and the
+``*_partitioned`` pair the same two layers on flask_idem's own schema: its SQL without its
+Python.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def _protected(name: str, url: str | None, *, atomic: bool) -> Flask:
 _KEY_REQUIRED = ({"error": "Idempotency-Key required"}, 400)
 _IN_PROGRESS = ({"error": "request in progress"}, 409)
 #: A claim that is this request's to run (any other claim result is the record found).
-CLAIMED = object()
+_CLAIMED = object()
 
 
 class _PlainSchema:
@@ -203,9 +204,9 @@ class _PlainSchema:
     def claim(self, conn: sa.Connection, ids: dict[str, t.Any], *, atomic: bool) -> t.Any:
         # One transaction: the record is only inserted at the end, with the answer.
         if not atomic and conn.execute(self.claim_sql, ids).first() is not None:
-            return CLAIMED
+            return _CLAIMED
         found = conn.execute(self.find_sql, ids).first()
-        return CLAIMED if atomic and found is None else found
+        return _CLAIMED if atomic and found is None else found
 
     def complete(self, conn: sa.Connection, ids: dict[str, t.Any], *, atomic: bool) -> None:
         conn.execute(self.insert_done_sql if atomic else self.done_sql, ids)
@@ -257,7 +258,7 @@ class _PartitionedSchema:
             return conn.exec_driver_sql(self.find_sql, ids).first()
         if found.claimed:
             ids["created_at"] = found.created_at
-            return CLAIMED
+            return _CLAIMED
         return found
 
     def complete(self, conn: sa.Connection, ids: dict[str, t.Any], *, atomic: bool) -> None:
@@ -319,7 +320,7 @@ def _hand_layer(
             if atomic:
                 with engine.connect() as conn, conn.begin() as transaction:
                     found = schema.claim(conn, ids, atomic=True)
-                    if found is not CLAIMED:
+                    if found is not _CLAIMED:
                         transaction.rollback()
                         return _hand_answer(found, keyed[1])
                     g.bench_connection = conn
@@ -332,7 +333,7 @@ def _hand_layer(
                     return answer
             with _autocommit(engine) as conn:
                 found = schema.claim(conn, ids, atomic=False)
-            if found is not CLAIMED:
+            if found is not _CLAIMED:
                 return _hand_answer(found, keyed[1])
             try:
                 with engine.begin() as g.bench_connection:
