@@ -35,6 +35,7 @@ import decimal
 import hashlib
 import json
 import typing as t
+from json.encoder import encode_basestring
 from urllib.parse import parse_qsl
 
 #: Bumped whenever the canonical form changes, so that old fingerprints stop matching
@@ -205,11 +206,12 @@ def _canonical_json(value: _JsonValue, depth: int) -> str:
     if isinstance(value, decimal.Decimal):
         return _canonical_number(value)
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
+        # What json.dumps(value, ensure_ascii=False) returns, without building an encoder.
+        return encode_basestring(value)
     if isinstance(value, list):
         return "[" + ",".join(_canonical_json(item, depth + 1) for item in value) + "]"
     members = (
-        json.dumps(key, ensure_ascii=False) + ":" + _canonical_json(item, depth + 1)
+        encode_basestring(key) + ":" + _canonical_json(item, depth + 1)
         for key, item in sorted(value.items())
     )
     return "{" + ",".join(members) + "}"

@@ -69,7 +69,7 @@ import time
 import typing as t
 
 import sqlalchemy as sa
-from flask import current_app, has_app_context, request
+from flask import Request, current_app, has_app_context, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
@@ -200,10 +200,12 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
         does not need one); otherwise the replayed response. Problems are raised.
     """
     settings = app_state.settings
+    # The request itself, not the proxy: this path reads a dozen of its attributes.
+    req: Request = request._get_current_object()  # type: ignore[attr-defined]
     try:
-        key = _read_key(settings, options)
+        key = _read_key(req, settings, options)
     except InvalidKey as exc:
-        echo = echo_of_invalid(request.headers, settings.headers)
+        echo = echo_of_invalid(req.headers, settings.headers)
         _start(RequestState(None, options, echo=echo))
         raise KeyInvalid(str(exc)) from None
     if key is None:
@@ -211,13 +213,13 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
         if required:
             raise KeyMissing(f"This endpoint requires an {settings.header} header.")
         return None
-    assert request.url_rule is not None
-    scope = Scope(_tenant(app_state), f"{request.method} {request.url_rule.rule}", key)
+    assert req.url_rule is not None
+    scope = Scope(_tenant(app_state), f"{req.method} {req.url_rule.rule}", key)
     state = _start(RequestState(scope, options))
     # The whole body, as declared, within IDEMPOTENCY_MAX_REQUEST_BODY: a truncated upload is
     # a 400 and an oversized one a 413, before any claim (never a fingerprint of half a body).
-    body = read_body(request, settings.max_request_body)
-    digest = _fingerprint(options, body)
+    body = read_body(req, settings.max_request_body)
+    digest = _fingerprint(req, options, body)
     state.fingerprint = digest
     ttl = options.ttl or settings.ttl
     deadline = time.monotonic() + settings.wait
@@ -381,7 +383,7 @@ def _start(state: RequestState) -> RequestState:
     return state
 
 
-def _read_key(settings: Settings, options: ViewOptions) -> str | None:
+def _read_key(req: Request, settings: Settings, options: ViewOptions) -> str | None:
     """The request's key: from the headers, or from the view's ``key=`` function when the
     request carries its own (a webhook's event id; a header is then ignored).
 
@@ -390,9 +392,9 @@ def _read_key(settings: Settings, options: ViewOptions) -> str | None:
     :raises InvalidKey: the key is not 1 to 255 characters of the key alphabet.
     """
     if options.key is None:
-        return read_key(request.headers, settings.headers)
+        return read_key(req.headers, settings.headers)
     try:
-        value = options.key(request)
+        value = options.key(req)
     except Problem:
         raise  # the function's own answer
     except Exception:
@@ -416,19 +418,19 @@ def _tenant(app_state: AppState) -> str:
     return tenant
 
 
-def _fingerprint(options: ViewOptions, body: bytes) -> bytes:
+def _fingerprint(req: Request, options: ViewOptions, body: bytes) -> bytes:
     if options.fingerprint is not None:
-        value = options.fingerprint(request)
+        value = options.fingerprint(req)
         data = value.encode() if isinstance(value, str) else bytes(value)
         return hashlib.sha256(b"custom\x00" + data).digest()
-    assert request.url_rule is not None
+    assert req.url_rule is not None
     return canonical_fingerprint(
-        request.method,
-        request.url_rule.rule,
-        request.view_args or {},
-        request.args.items(multi=True),
+        req.method,
+        req.url_rule.rule,
+        req.view_args or {},
+        req.args.items(multi=True),
         body,
-        request.content_type,
+        req.content_type,
         exclude=options.exclude,
         include=options.include,
     )

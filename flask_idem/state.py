@@ -160,7 +160,9 @@ class RequestState:
 
     @classmethod
     def current(cls) -> RequestState | None:
-        return t.cast("RequestState | None", g.get(_REQUEST_STATE))
+        # The proxy's object once (not a proxied g.get()): a request looks its state up often.
+        state: RequestState | None = g._get_current_object().__dict__.get(_REQUEST_STATE)
+        return state
 
     @classmethod
     def ensure(cls) -> RequestState:

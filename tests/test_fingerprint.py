@@ -669,3 +669,22 @@ def test_fingerprint_distinguishes_and_matches() -> None:
     assert digest(b'{"a":1}') != digest(b'{"a":2}')
     assert digest(b'{"a":1,"ts":1}', exclude={"ts"}) == digest(b'{"a":1,"ts":2}', exclude={"ts"})
     assert digest(b'{"a":1,"b":1}', include={"a"}) == digest(b'{"a":1,"b":2}', include={"a"})
+
+
+def test_the_canonical_form_is_pinned_byte_for_byte() -> None:
+    """Stored fingerprints outlive releases: a change to the canonical form (even one that
+    keeps every equality) must bump ``_FORMAT`` instead of silently changing digests."""
+    body = '{"b":[1.50,"\u00e9\\ud800",{"z":null,"a":true}],"a":"x\\"y","n":4.2e3}'.encode()
+    canonical = canonical_request(
+        "post",
+        "/v1/p/<id>",
+        {"id": 7},
+        [("q", "2"), ("a", "1"), ("q", "1")],
+        body,
+        "application/json; charset=utf-8",
+    )
+    assert canonical == (
+        b'["flask-idem/fingerprint/1","POST","/v1/p/<id>",[["id","7"]],'
+        b'[["a","1"],["q","2"],["q","1"]],["json","{\\"a\\":\\"x\\\\\\"y\\",\\"b\\":[15e-1,'
+        b'\\"\xc3\xa9\xed\xa0\x80\\",{\\"a\\":true,\\"z\\":null}],\\"n\\":4200}"]]'
+    )

@@ -221,3 +221,100 @@ def test_upkeep_under_concurrent_claims_loses_nothing(pg_store: SQLStore) -> Non
     assert len(claimed) > 50
     assert all(pg_store.get(scope) is not None for scope in claimed[::10])
     assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys_default") == [(0,)]
+
+
+# -- the claim's horizon (migration 0006) ---------------------------------------------------
+
+_CLAIMS = {
+    "durable": "SELECT * FROM idempotency_claim('t', 'e', :key, :fp, 'tok', 600, 30)",
+    "atomic": "SELECT * FROM idempotency_claim_atomic('t', 'e', :key, :fp, 'tok', 600, 0)",
+}
+
+
+def _scans_per_partition(conn: sa.Connection) -> dict[str, int]:
+    """Scans of each partition (its table and its indexes) in this transaction so far."""
+    rows = conn.execute(
+        sa.text(
+            "SELECT c.relname, pg_stat_get_xact_numscans(c.oid) + coalesce(("
+            " SELECT sum(pg_stat_get_xact_numscans(i.indexrelid)) FROM pg_index AS i"
+            " WHERE i.indrelid = c.oid), 0)"
+            " FROM pg_inherits AS inh JOIN pg_class AS c ON c.oid = inh.inhrelid"
+            " WHERE inh.inhparent = 'idempotency_keys'::regclass"
+        )
+    )
+    return {str(name): int(scans) for name, scans in rows}
+
+
+@pytest.mark.parametrize("claim", sorted(_CLAIMS))
+def test_a_claim_probes_no_partition_starting_a_day_or_more_ahead(
+    pg_store: SQLStore, claim: str
+) -> None:
+    """Issue 12, item 2: the lookup skips the partitions kept ready ahead (0006), and still
+    probes the past, today, tomorrow and DEFAULT, where a record of the scope can be."""
+    with pg_store.engine.begin() as conn:
+        before = _scans_per_partition(conn)
+        row = conn.execute(sa.text(_CLAIMS[claim]), {"key": "new", "fp": FP}).one()
+        assert row.claimed
+        probed = {
+            name for name, scans in _scans_per_partition(conn).items() if scans > before[name]
+        }
+        conn.rollback()
+    assert {_name(pg_store, -1), _name(pg_store, 0), _name(pg_store, 1)} <= probed
+    assert "idempotency_keys_default" in probed
+    assert probed.isdisjoint({_name(pg_store, offset) for offset in range(2, 8)})
+
+
+def _date_ahead(store: SQLStore, scope: Scope, ahead: str) -> None:
+    """Date the record ``ahead`` of the database clock: what a clock stepped back leaves."""
+    _sql(
+        store,
+        f"UPDATE idempotency_keys SET created_at = now() + interval '{ahead}' WHERE key = :key",
+        key=scope.key,
+    )
+
+
+def test_a_record_dated_up_to_a_day_ahead_still_blocks_a_claim(
+    pg_store: SQLStore, scope: Scope
+) -> None:
+    """A clock stepped back by less than a day: the record made before the step still counts,
+    from tomorrow's partition (and from DEFAULT, where tomorrow has no partition)."""
+    token = pg_store.claim(scope, FP, ttl=3 * 86400, lease=30).token
+    assert pg_store.complete(scope, token, RESPONSE)
+    _date_ahead(pg_store, scope, "23 hours 59 minutes")
+    assert _partition_of(pg_store, scope) in (_name(pg_store, 0), _name(pg_store, 1))
+    again = pg_store.claim(scope, FP, ttl=3 * 86400, lease=30)
+    assert not again.claimed and again.record.response == RESPONSE
+    _date_ahead(pg_store, scope, "0 seconds")  # back to today, then tomorrow unpartitioned
+    _sql(pg_store, f"DROP TABLE {_name(pg_store, 1)}")  # the fixture makes it again
+    _date_ahead(pg_store, scope, "23 hours 59 minutes")
+    assert _partition_of(pg_store, scope) in (_name(pg_store, 0), "idempotency_keys_default")
+    assert not pg_store.claim(scope, FP, ttl=3 * 86400, lease=30).claimed
+
+
+def test_a_record_dated_more_than_a_day_ahead_is_past_the_horizon(
+    pg_store: SQLStore, scope: Scope
+) -> None:
+    """The documented limit of the bound (migration 0006): a record dated more than a day after
+    the claim's clock was not made by a claim on this clock, and is not looked for."""
+    pg_store.claim(scope, FP, ttl=3 * 86400, lease=30)
+    _date_ahead(pg_store, scope, "1 day 1 minute")
+    assert pg_store.claim(scope, FP, ttl=3 * 86400, lease=30).claimed
+
+
+def test_a_record_claimed_long_ago_and_live_from_its_end_blocks_from_default(
+    pg_store: SQLStore, scope: Scope
+) -> None:
+    """Nothing is narrowed in the past: a request claimed 40 days ago (its partition gone, so in
+    DEFAULT) that completed an hour ago is live for its TTL from its end, and blocks."""
+    token = pg_store.claim(scope, FP, ttl=86400, lease=30).token
+    assert pg_store.complete(scope, token, RESPONSE)
+    _sql(
+        pg_store,
+        "UPDATE idempotency_keys SET created_at = now() - interval '40 days', "
+        "expires_at = now() - interval '39 days', completed_at = now() - interval '1 hour' "
+        "WHERE key = :key",
+        key=scope.key,
+    )
+    assert _partition_of(pg_store, scope) == "idempotency_keys_default"
+    again = pg_store.claim(scope, FP, ttl=86400, lease=30)
+    assert not again.claimed and again.record.response == RESPONSE
