@@ -240,6 +240,14 @@ class _PartitionedSchema:
         " response_body = %(body)s, completed_at = now()" + owned
     )
     release_sql = "DELETE FROM idempotency_keys" + owned
+    # The atomic claim only reserves its record (migration 0007): it is written once, completed.
+    done_atomic_sql = (
+        "INSERT INTO idempotency_keys (tenant, endpoint, key, fingerprint, state, claim_token,"
+        " response_status, response_headers, response_body, created_at, completed_at,"
+        " expires_at) VALUES (%(tenant)s, %(endpoint)s, %(key)s, %(fingerprint)s, 'completed',"
+        " %(token)s, %(status)s, %(headers)s::jsonb, %(body)s, %(created_at)s, now(),"
+        " %(created_at)s + interval '86400 seconds')"
+    )
 
     def ids(self, key: str, digest: bytes) -> dict[str, t.Any]:
         return {
@@ -251,7 +259,7 @@ class _PartitionedSchema:
         }
 
     def claim(self, conn: sa.Connection, ids: dict[str, t.Any], *, atomic: bool) -> t.Any:
-        function = "idempotency_claim_atomic" if atomic else "idempotency_claim"
+        function = "idempotency_claim_reserve" if atomic else "idempotency_claim"
         sql = self.claim_sql.format(function=function)
         found = conn.exec_driver_sql(sql, ids | {"lease": 0.0 if atomic else 30.0}).first()
         if found is None:  # the atomic claim's try-lock: a duplicate holds the scope
@@ -262,7 +270,7 @@ class _PartitionedSchema:
         return found
 
     def complete(self, conn: sa.Connection, ids: dict[str, t.Any], *, atomic: bool) -> None:
-        conn.exec_driver_sql(self.done_sql, ids)
+        conn.exec_driver_sql(self.done_atomic_sql if atomic else self.done_sql, ids)
 
     def release(self, conn: sa.Connection, ids: dict[str, t.Any]) -> None:
         conn.exec_driver_sql(self.release_sql, ids)

@@ -101,13 +101,19 @@ def store_result(app_state: AppState, state: RequestState, snapshot: StoredRespo
     assert state.scope is not None and state.token is not None
     if state.session is not None:
         app_state.begin(state)  # the completion joins the session's transaction
-    stored = app_state.store.complete(
-        state.scope,
-        state.token,
-        snapshot,
-        connection=state.connection,
-        created_at=created_at(state),
-    )
+    if state.reserved:
+        # An atomic claim's record: written once, completed, by the transaction holding it.
+        assert state.connection is not None and state.record is not None
+        app_state.store.complete_reserved(state.connection, state.record, snapshot)
+        stored = True
+    else:
+        stored = app_state.store.complete(
+            state.scope,
+            state.token,
+            snapshot,
+            connection=state.connection,
+            created_at=created_at(state),
+        )
     if state.connection is not None:
         if stored:
             state.finished = True  # from here the commit is ours (see flow's atomic guard)

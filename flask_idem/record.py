@@ -92,6 +92,10 @@ class ClaimResult:
     claimed: bool
     #: The claim took over a record nobody owned (set by the attempt, not the store).
     taken_over: bool = False
+    #: The record is reserved, not written: an atomic claim's scope is held by its lock until
+    #: the business transaction ends, and :meth:`Store.complete_reserved` inserts the record,
+    #: completed, into that transaction (PostgreSQL; one row write per new key).
+    reserved: bool = False
 
     @property
     def token(self) -> str:

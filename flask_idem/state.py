@@ -91,6 +91,8 @@ class RequestState:
     token: str | None = None
     #: The record this request owns (claimed or taken over).
     record: Record | None = None
+    #: ``record`` is reserved, not written yet (see :attr:`ClaimResult.reserved`).
+    reserved: bool = False
     watch: Watch | None = None
     connection: sa.Connection | None = None
     #: The view or job declared contact with the outside world (``downstream_key()``...).

@@ -7,7 +7,9 @@ gunicorn with real processes: concurrent duplicates from 16 client threads in 8 
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import datetime as dt
 import http.client
 import json
 import multiprocessing
@@ -89,8 +91,19 @@ def test_one_commit_replay_and_mismatch(
     assert first.status_code == 201
     assert len(commits) == 1, "claim, business row and stored response: one commit"
     if store.dialect == "postgresql":
-        # The claim, the business INSERT and the completion: nothing else on the wire.
-        assert len(seen) == 3 and "idempotency_claim_atomic" in seen[0], seen
+        # The claim (a reservation, migration 0007), the business INSERT and the record,
+        # inserted completed: nothing else on the wire, and the record is written once.
+        assert len(seen) == 3 and "idempotency_claim_reserve(" in seen[0], seen
+        assert seen[2].startswith("INSERT INTO idempotency_keys "), seen
+        with store.engine.connect() as conn:
+            row = conn.execute(
+                sa.text(
+                    "SELECT state, response_status, claim_token IS NOT NULL, "
+                    "completed_at IS NOT NULL, expires_at - created_at FROM idempotency_keys"
+                )
+            ).one()
+        assert row[:4] == ("completed", 201, True, True)
+        assert row[4] == dt.timedelta(seconds=app.extensions["idempotency"].settings.ttl)
     assert _post(client, "/write").headers["Idempotent-Replayed"] == "true"
     mismatch = client.post("/write", json={"n": 2}, headers={"Idempotency-Key": "k"})
     assert mismatch.status_code == 422
@@ -481,3 +494,38 @@ def test_claims_stay_exclusive_when_the_database_defaults_to_repeatable_read(
     finally:
         ours.engine.dispose()
         raw.dispose()
+
+
+def test_sealed_and_audited_like_a_durable_claim(
+    app_factory: Factory, store: SQLStore, business: sa.Table
+) -> None:
+    """The reserved record (PostgreSQL) is sealed against the created_at it is inserted with,
+    and audited as any claim: claimed, then completed, committed with the business row."""
+    secret = base64.b64encode(os.urandom(32)).decode()
+    app, idem, counter = app_factory(
+        IDEMPOTENCY_AUDIT=True, IDEMPOTENCY_ENCRYPTION_KEYS={"k1": secret}
+    )
+
+    @app.post("/write")
+    @idem.idempotent(atomic=True)
+    def write() -> t.Any:
+        counter.bump()
+        idem.connection().execute(business.insert().values(note="paid"))
+        return {"id": "pay_SECRET"}, 201
+
+    client = app.test_client()
+    first = _post(client, "/write", "sealed")
+    replay = _post(client, "/write", "sealed")
+    assert first.status_code == replay.status_code == 201
+    assert replay.headers["Idempotent-Replayed"] == "true" and replay.data == first.data
+    assert counter.calls == 1 and _rows(store, business) == 1
+    with store.engine.connect() as conn:
+        body = conn.execute(sa.text("SELECT response_body FROM idempotency_keys")).scalar_one()
+        events = conn.execute(
+            sa.text("SELECT event, state, status FROM idempotency_audit ORDER BY occurred_at")
+        ).all()
+    assert b"pay_SECRET" not in bytes(body)
+    assert [tuple(e) for e in events] == [
+        ("claimed", "in_progress", None),
+        ("completed", "completed", 201),
+    ]

@@ -16,6 +16,7 @@ from flask_idem.table import TABLE_NAME, VERSION_TABLE, metadata
 FUNCTIONS = {
     "idempotency_claim",
     "idempotency_claim_atomic",
+    "idempotency_claim_reserve",
     "idempotency_create_partitions",
     "idempotency_drop_expired_partitions",
     "idempotency_audit_partitions",
@@ -42,7 +43,7 @@ def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool
 
 
 #: The newest revision.
-HEAD = "0006"
+HEAD = "0007"
 
 
 def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:

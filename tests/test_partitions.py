@@ -228,6 +228,7 @@ def test_upkeep_under_concurrent_claims_loses_nothing(pg_store: SQLStore) -> Non
 _CLAIMS = {
     "durable": "SELECT * FROM idempotency_claim('t', 'e', :key, :fp, 'tok', 600, 30)",
     "atomic": "SELECT * FROM idempotency_claim_atomic('t', 'e', :key, :fp, 'tok', 600, 0)",
+    "reserve": "SELECT * FROM idempotency_claim_reserve('t', 'e', :key, :fp, 'tok', 600, 0)",
 }
 
 

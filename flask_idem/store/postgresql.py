@@ -52,17 +52,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import typing as t
 
 import sqlalchemy as sa
 
 from ..errors import ConfigurationError, StoreUnavailable
-from ..record import ClaimResult, MaintenanceReport, Scope
+from ..record import ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
 from ..table import DEFAULT_PARTITION
 from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
-from .sql import AUDIT_COLUMNS, Outcome, SQLStore, new_token, record_from_row, translate_errors
+from .sql import (
+    AUDIT_COLUMNS,
+    HEADERS_TYPE,
+    Outcome,
+    Precompiled,
+    SQLStore,
+    new_token,
+    record_from_row,
+    translate_errors,
+)
 
 log = logging.getLogger("flask_idem")
 
@@ -88,7 +98,9 @@ _AUDIT_PARTITIONS = sa.text(
 )
 #: Monthly audit partitions kept ready after the current month.
 AUDIT_MONTHS_AHEAD = 2
-_CLAIM_ATOMIC = _CLAIM.replace("idempotency_claim(", "idempotency_claim_atomic(")
+# The atomic claim reserves the record it would insert (migration 0007): complete_reserved
+# inserts it, completed, in the same transaction.
+_CLAIM_ATOMIC = _CLAIM.replace("idempotency_claim(", "idempotency_claim_reserve(")
 # An atomic claim that found the scope's lock held (the holder may only be *replaying*): the
 # live completed record, read without the lock. Safe because a completed record is final
 # while it is live (nothing but an operator's reopen changes it, and a claim only inserts when
@@ -110,7 +122,7 @@ _FIND_COMPLETED = (
     " + (k.expires_at - k.created_at) > clock_timestamp())"
     " ORDER BY k.created_at DESC LIMIT 1"
 )
-_CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_atomic(")
+_CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_reserve(")
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
 # Live as in idempotency_claim() (migration 0002): a TTL from the claim, and a TTL from the
@@ -237,7 +249,50 @@ class PostgresStore(SQLStore):
                 row = connection.exec_driver_sql(_FIND_COMPLETED, parameters).first()
                 if row is None:
                     return None
-        return ClaimResult(record_from_row(scope, row, self.sealer), claimed=bool(row.claimed))
+        claimed = bool(row.claimed)
+        record = record_from_row(scope, row, self.sealer)
+        return ClaimResult(record, claimed=claimed, reserved=claimed)
+
+    @functools.cached_property
+    def _insert_completed_statement(self) -> Precompiled:
+        """The reserved record, completed: the columns the claim and the completion write."""
+        timestamp = table.c.created_at.type
+        return Precompiled(
+            table.insert().values(
+                tenant=sa.bindparam("p_tenant"),
+                endpoint=sa.bindparam("p_endpoint"),
+                key=sa.bindparam("p_key"),
+                fingerprint=sa.bindparam("p_fingerprint", type_=table.c.fingerprint.type),
+                state=sa.bindparam("p_state"),
+                claim_token=sa.bindparam("p_token"),
+                response_status=sa.bindparam("p_status"),
+                response_headers=sa.bindparam("p_headers", type_=HEADERS_TYPE),
+                response_body=sa.bindparam("p_body", type_=table.c.response_body.type),
+                created_at=sa.bindparam("p_created_at", type_=timestamp),
+                completed_at=self.now(),
+                expires_at=sa.bindparam("p_expires_at", type_=timestamp),
+            ),
+            self.engine.dialect,
+        )
+
+    def complete_reserved(
+        self, connection: sa.Connection, record: Record, response: StoredResponse | None
+    ) -> None:
+        scope = record.scope
+        parameters = {
+            "p_tenant": scope.tenant,
+            "p_endpoint": scope.endpoint,
+            "p_key": scope.key,
+            "p_fingerprint": record.fingerprint,
+            "p_token": record.claim_token,
+            "p_created_at": record.created_at,
+            "p_expires_at": record.expires_at,
+            **self._completion(scope, response, record.created_at),
+        }
+        event = "unstored" if response is None else "completed"
+        self._write(
+            self._insert_completed_statement, parameters, connection, scope=scope, event=event
+        )
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         # Rows land in DEFAULT only when upkeep fell behind; expire them row by row, in

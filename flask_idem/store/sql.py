@@ -61,7 +61,7 @@ AUDIT_COLUMNS: tuple[str, ...] = (
 
 #: ``response_headers`` as written: None is SQL NULL (the mark of a sealed envelope), never
 #: the JSON ``null`` SQLAlchemy writes by default, so that SQL can tell the layouts apart.
-_HEADERS = sa.JSON(none_as_null=True).with_variant(
+HEADERS_TYPE = sa.JSON(none_as_null=True).with_variant(
     postgresql.JSONB(none_as_null=True), "postgresql"
 )
 #: Reads every layout (plain, compressed, encrypted with a configured key).
@@ -203,7 +203,7 @@ class SQLStore(Store):
             .values(
                 state=sa.bindparam("p_state"),
                 response_status=sa.bindparam("p_status"),
-                response_headers=sa.bindparam("p_headers", type_=_HEADERS),
+                response_headers=sa.bindparam("p_headers", type_=HEADERS_TYPE),
                 response_body=sa.bindparam("p_body", type_=table.c.response_body.type),
                 completed_at=self.now(),
                 lease_expires_at=None,
@@ -239,7 +239,7 @@ class SQLStore(Store):
 
     def _write(
         self,
-        statement: sa.Update | sa.Delete | Precompiled,
+        statement: sa.Insert | sa.Update | sa.Delete | Precompiled,
         parameters: dict[str, t.Any],
         connection: sa.Connection | None = None,
         *,
@@ -315,23 +315,31 @@ class SQLStore(Store):
             if created_at is None:
                 return False
         parameters = self._owner(scope, token, created_at)
-        if response is None:
-            parameters.update(
-                p_state=State.UNSTORED.value, p_status=None, p_headers=None, p_body=None
-            )
-        else:
-            headers, body = self.sealer.seal(response, scope, created_at)
-            parameters.update(
-                p_state=State.COMPLETED.value,
-                p_status=response.status,
-                p_headers=headers,
-                p_body=body,
-            )
+        parameters.update(self._completion(scope, response, created_at))
         event = "unstored" if response is None else "completed"
         outcome = self._write(
             self._complete_statement, parameters, connection, scope=scope, event=event
         )
         return outcome.rowcount == 1
+
+    def _completion(
+        self, scope: Scope, response: StoredResponse | None, created_at: dt.datetime | None
+    ) -> dict[str, t.Any]:
+        """The values a completion writes: the state, and the response as stored (sealed)."""
+        if response is None:
+            return {
+                "p_state": State.UNSTORED.value,
+                "p_status": None,
+                "p_headers": None,
+                "p_body": None,
+            }
+        headers, body = self.sealer.seal(response, scope, created_at)
+        return {
+            "p_state": State.COMPLETED.value,
+            "p_status": response.status,
+            "p_headers": headers,
+            "p_body": body,
+        }
 
     def _owned_created_at(
         self, scope: Scope, token: str, connection: sa.Connection | None
@@ -652,7 +660,7 @@ class Precompiled:
     disconnect handling are SQLAlchemy's as before, and the server sees the same text.
     """
 
-    def __init__(self, statement: sa.Update | sa.Delete, dialect: sa.Dialect) -> None:
+    def __init__(self, statement: sa.Insert | sa.Update | sa.Delete, dialect: sa.Dialect) -> None:
         #: The Core statement, for what needs more than the precompiled text (RETURNING, the
         #: audit trail's CTE).
         self.statement = statement

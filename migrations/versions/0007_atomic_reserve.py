@@ -1,0 +1,77 @@
+"""The atomic claim reserves its record instead of inserting it: one row write per new key.
+
+``idempotency_claim_reserve(...)`` is ``idempotency_claim_atomic(...)`` (revisions 0004 and
+0006: READ COMMITTED, the try-lock, the bounded lookup) without the insert: when no live record
+holds the scope it returns the record it would have inserted (``claimed`` true, nothing
+written), and the store inserts that record, completed, with the stored response, just before
+the business transaction commits. An atomic request then writes its record once (an ``INSERT``)
+instead of twice (an ``INSERT`` in progress, then an ``UPDATE`` that plans against the
+partitioned table and leaves a dead row version behind).
+
+Nothing else changes, because nobody else could ever see the in-progress row: it was
+uncommitted until the business transaction's commit, which is also when the completed row
+becomes visible now. What excludes a concurrent duplicate is the scope's advisory lock, held
+until that commit in both versions, and the reserved ``created_at`` is still the clock read
+after taking the lock, so the horizon of revision 0006 holds as it is: the row commits before
+the lock is released.
+
+``idempotency_claim_atomic`` stays: a worker still running the previous release during a
+rolling deploy keeps claiming, and completing with its ``UPDATE``, as before.
+
+Revision ID: 0007
+Revises: 0006
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+from alembic import context, op
+
+revision = "0007"
+down_revision = "0006"
+branch_labels = None
+depends_on = None
+
+SIGNATURE = (
+    "idempotency_claim_reserve(text, text, text, bytea, text, double precision, double precision)"
+)
+
+#: The atomic claim's insert, as revision 0001 spells it (its one ``WITH``).
+INSERT = """        WITH inserted AS (
+            INSERT INTO idempotency_keys (
+                tenant, endpoint, key, fingerprint, state, claim_token,
+                lease_expires_at, created_at, expires_at)
+            VALUES (
+                p_tenant, p_endpoint, p_key, p_fingerprint, 'in_progress', p_token,
+                v_now + make_interval(secs => p_lease), v_now,
+                v_now + make_interval(secs => p_ttl))
+            RETURNING *)
+        SELECT true, i.fingerprint, i.state::text, i.claim_token::text, i.lease_expires_at,
+               i.response_status, i.response_headers, i.response_body, i.created_at,
+               i.completed_at, i.expires_at, v_now
+          FROM inserted AS i;"""
+#: The same record, returned and not written (the store inserts it completed).
+RESERVE = """        -- Reserved, not written: the store inserts it completed before the commit.
+        SELECT true, p_fingerprint, 'in_progress'::text, p_token, v_now + make_interval(
+                   secs => p_lease), NULL::integer, NULL::jsonb, NULL::bytea, v_now,
+               NULL::timestamptz, v_now + make_interval(secs => p_ttl), v_now;"""
+
+
+def reserve_function() -> str:
+    """The atomic claim of revision 0006, renamed, with its insert made a reservation."""
+    atomic = context.script.get_revision("0006").module.claim_functions(bounded=True)[1]
+    if atomic.count(INSERT) != 1:
+        raise RuntimeError("revision 0006's atomic claim is not the one this revision expects")
+    return atomic.replace(INSERT, RESERVE).replace(
+        "FUNCTION idempotency_claim_atomic(", "FUNCTION idempotency_claim_reserve(", 1
+    )
+
+
+def upgrade() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(reserve_function())
+
+
+def downgrade() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(f"DROP FUNCTION IF EXISTS {SIGNATURE}")
