@@ -15,9 +15,18 @@ The guard
        every claim of one scope queues on this lock, whatever partition its row is in;
     2. reads the clock *after* the lock (``clock_timestamp()``), so a claim that waited cannot
        date its row before the row of the claim it waited for;
-    3. looks up the live record of the scope in every partition (``expires_at > now``): a live
-       record blocks the claim wherever it lives, an expired one never does;
+    3. looks up the live record of the scope in every partition that can hold one: a live
+       record blocks the claim wherever it lives, an expired one never does. Partitions
+       starting a day or more after the claim's clock are pruned (migration 0006): every
+       record's ``created_at`` is the clock its own claim read after taking this lock, so it
+       is never later than this claim's (a day of slack for a clock stepped back);
     4. inserts the new record only if none was found, and returns either row.
+
+    The atomic claim (``idempotency_claim_reserve``, migration 0007) runs the same steps inside
+    the business transaction with a *try*-lock, and step 4 only reserves the record: the
+    completion inserts it, completed, in that transaction (:meth:`PostgresStore.complete_reserved`),
+    so an atomic request writes its record once, and the lock, held until the commit, keeps
+    every duplicate out meanwhile.
 
     The lock is released at commit, after the insert is visible, so the next waiter's lookup
     sees it: two claims of one scope can never both insert. A hash collision between two scopes
