@@ -104,8 +104,7 @@ def store_result(app_state: AppState, state: RequestState, snapshot: StoredRespo
     if state.reserved:
         # An atomic claim's record: written once, completed, by the transaction holding it.
         assert state.connection is not None and state.record is not None
-        app_state.store.complete_reserved(state.connection, state.record, snapshot)
-        stored = True
+        stored = app_state.store.complete_reserved(state.connection, state.record, snapshot)
     else:
         stored = app_state.store.complete(
             state.scope,

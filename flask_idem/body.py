@@ -59,10 +59,7 @@ def read_body(request: Request, limit: int) -> bytes:
     # The body is no longer chunked: werkzeug reads nothing from a request that still says
     # "Transfer-Encoding: chunked" but is not input_terminated.
     environ.pop("HTTP_TRANSFER_ENCODING", None)
-    # werkzeug's own cache of get_data(), which form parsing reads too: the view gets these
-    # bytes without a second read through a new stream.
-    request._cached_data = body
-    return body
+    return request.get_data(cache=True)
 
 
 def _read(source: t.Any, wanted: int, limit: int) -> bytes:

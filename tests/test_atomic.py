@@ -529,3 +529,74 @@ def test_sealed_and_audited_like_a_durable_claim(
         ("claimed", "in_progress", None),
         ("completed", "completed", 201),
     ]
+
+
+def test_a_view_that_ends_its_own_transaction_loses_its_claim(
+    app_factory: Factory, store: SQLStore, business: sa.Table
+) -> None:
+    """Rolling ``idem.connection()`` back mid-view (a retry loop after a deadlock) ends the
+    transaction that held the scope: a duplicate runs meanwhile, so this attempt must not
+    complete too. It answers 409 and its later writes roll back: one charge for the key."""
+    app, idem, _ = app_factory()
+    rolled_back, duplicate_done = threading.Event(), threading.Event()
+
+    @app.post("/charge")
+    @idem.idempotent(atomic=True)
+    def charge() -> t.Any:
+        who = flask.request.headers["X-Who"]
+        connection = idem.connection()
+        if who == "first":
+            connection.execute(business.insert().values(note="attempt"))
+            connection.rollback()
+            rolled_back.set()
+            assert duplicate_done.wait(30)
+        connection.execute(business.insert().values(note=f"charge-{who}"))
+        return {"charged": who}, 201
+
+    answers: dict[str, t.Any] = {}
+
+    def post(who: str) -> None:
+        answers[who] = app.test_client().post(
+            "/charge", json={"n": 1}, headers={"Idempotency-Key": "k", "X-Who": who}
+        )
+
+    first = threading.Thread(target=post, args=("first",))
+    first.start()
+    try:
+        assert rolled_back.wait(30)
+        post("duplicate")
+    finally:
+        duplicate_done.set()
+        first.join(30)
+    assert answers["duplicate"].status_code == 201
+    assert answers["first"].status_code == 409
+    assert answers["first"].get_json()["type"].endswith("request-in-progress")
+    with store.engine.connect() as conn:
+        notes = conn.execute(sa.select(business.c.note)).scalars().all()
+    assert notes == ["charge-duplicate"] and _records(store) == 1
+    replay = _post(app.test_client(), "/charge")
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.get_json() == {"charged": "duplicate"}
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_an_answer_that_took_longer_than_its_ttl_still_replays(
+    app_factory: Factory, store: SQLStore, business: sa.Table, atomic: bool
+) -> None:
+    """A record is live for its TTL from the end of its request: the completion, committed
+    with the business transaction, must date that end by its own clock, not by the start of a
+    transaction opened before the view ran."""
+    app, idem, counter = app_factory()
+
+    @app.post("/slow")
+    @idem.idempotent(atomic=atomic, ttl=1)
+    def slow() -> t.Any:
+        idem.connection().execute(business.insert().values(note="slow"))
+        time.sleep(1.5)
+        return {"n": counter.bump()}, 201
+
+    client = app.test_client()
+    assert _post(client, "/slow").status_code == 201
+    replay = _post(client, "/slow")
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert counter.calls == 1 and _rows(store, business) == 1

@@ -149,3 +149,23 @@ def test_a_whole_chunked_body_reaches_the_fingerprint_and_the_view(app_factory: 
     _problem(chunked(other), 422, "idempotency-key-reused")
     assert chunked(BODY).headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1
+
+
+@pytest.mark.parametrize("where", ["config", "request"])
+def test_the_applications_own_body_limit_still_holds_with_a_key(
+    store: SQLStore, app_factory: Factory, where: str
+) -> None:
+    """``MAX_CONTENT_LENGTH`` (or Flask 3.1's per-request ``max_content_length``) is the
+    application's limit: reading the body for the fingerprint must enforce it as werkzeug
+    does, before any claim."""
+    config = {"MAX_CONTENT_LENGTH": 16} if where == "config" else {}
+    app, _, counter = app_factory(**config)
+    if where == "request":
+
+        @app.before_request
+        def limit() -> None:
+            flask.request.max_content_length = 16
+
+    big = json.dumps({"amount": 1, "note": "x" * 64}).encode()
+    assert _post(app.test_client(), "big", body=big).status_code == 413
+    assert (counter.calls, _records(store)) == (0, 0)

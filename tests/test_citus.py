@@ -206,9 +206,10 @@ def _columns(sql: str) -> set[str]:
 
 def _coordinator_evaluated(expression: str) -> str:
     """The expression as a Citus worker receives it: the statement's parameters and the
-    database clock (``now()``, ``now() +/- make_interval(...)``) evaluated on the coordinator."""
+    database clock (``now()`` or ``statement_timestamp()``, either ``+/- make_interval(...)``:
+    STABLE functions of no column) evaluated on the coordinator."""
     expression = re.sub(r"%\(\w+\)s", "NULL", expression)
-    clock = r"now\(\)(\s*[+-]\s*make_interval\([^()]*\))?"
+    clock = r"(now|statement_timestamp)\(\)(\s*[+-]\s*make_interval\([^()]*\))?"
     return re.sub(clock, "CAST('2026-01-01 00:00:00+00' AS TIMESTAMP WITH TIME ZONE)", expression)
 
 
@@ -279,10 +280,8 @@ def tenant_first(statement: Captured) -> bool:
     if sql.startswith("SELECT * FROM idempotency_claim"):
         return re.match(r"SELECT \* FROM idempotency_claim(_\w+)?\(%\(tenant\)s,", sql) is not None
     if sql.startswith(f"INSERT INTO {TABLE} "):
-        # Citus routes a single-row INSERT by the tenant it carries.
-        return (
-            re.match(rf"INSERT INTO {TABLE} \(tenant, .*\) VALUES \(%\(\w+\)s, ", sql) is not None
-        )
+        # One row, its tenant first: Citus routes it by the tenant it carries.
+        return re.match(rf"INSERT INTO {TABLE} \(tenant, .*\) SELECT %\(\w+\)s ", sql) is not None
     parts = clauses(sql)
     return re.match(rf"\(?{TABLE}\.tenant = %\(\w+\)s", parts["where"]) is not None
 

@@ -131,6 +131,8 @@ _FIND_COMPLETED = (
     " + (k.expires_at - k.created_at) > clock_timestamp())"
     " ORDER BY k.created_at DESC LIMIT 1"
 )
+#: Set by the reserving claim, local to its transaction: the token of the record it holds.
+_RESERVED_SETTING = "flask_idem.reserved"
 _CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_reserve(")
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
@@ -193,17 +195,20 @@ class PostgresStore(SQLStore):
     dialect = "postgresql"
 
     def now(self) -> sa.ColumnElement[t.Any]:
-        return sa.func.now()
+        # The statement's own clock, not now(): that is the *transaction's* start, and a
+        # completion joins a business transaction opened before the view ran, so a view that
+        # ran longer than its TTL would complete into a record already dead.
+        return sa.func.statement_timestamp()
 
     def now_plus(self, seconds: float) -> sa.ColumnElement[t.Any]:
-        return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, float(seconds))
+        return self.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, float(seconds))
 
     def ttl_after_end(self) -> sa.ColumnElement[bool]:
         # Spelled as interval < interval: ``timestamptz + interval`` is STABLE, which Citus
         # refuses on columns in an UPDATE or DELETE (docs/citus.md); this form is IMMUTABLE
-        # once now() is a constant.
+        # once the statement's clock is a constant.
         ended = sa.func.coalesce(table.c.completed_at, table.c.lease_expires_at, table.c.created_at)
-        return sa.func.now() - ended < table.c.expires_at - table.c.created_at
+        return self.now() - ended < table.c.expires_at - table.c.created_at
 
     @contextlib.contextmanager
     def connect(self) -> t.Iterator[sa.Connection]:
@@ -264,29 +269,31 @@ class PostgresStore(SQLStore):
 
     @functools.cached_property
     def _insert_completed_statement(self) -> Precompiled:
-        """The reserved record, completed: the columns the claim and the completion write."""
+        """The reserved record, completed (the columns the claim and the completion write),
+        inserted only by the transaction that reserved it (migration 0007)."""
         timestamp = table.c.created_at.type
-        return Precompiled(
-            table.insert().values(
-                tenant=sa.bindparam("p_tenant"),
-                endpoint=sa.bindparam("p_endpoint"),
-                key=sa.bindparam("p_key"),
-                fingerprint=sa.bindparam("p_fingerprint", type_=table.c.fingerprint.type),
-                state=sa.bindparam("p_state"),
-                claim_token=sa.bindparam("p_token"),
-                response_status=sa.bindparam("p_status"),
-                response_headers=sa.bindparam("p_headers", type_=HEADERS_TYPE),
-                response_body=sa.bindparam("p_body", type_=table.c.response_body.type),
-                created_at=sa.bindparam("p_created_at", type_=timestamp),
-                completed_at=self.now(),
-                expires_at=sa.bindparam("p_expires_at", type_=timestamp),
-            ),
-            self.engine.dialect,
-        )
+        token = sa.bindparam("p_token", type_=table.c.claim_token.type)
+        values = {
+            "tenant": sa.bindparam("p_tenant", type_=table.c.tenant.type),
+            "endpoint": sa.bindparam("p_endpoint", type_=table.c.endpoint.type),
+            "key": sa.bindparam("p_key", type_=table.c.key.type),
+            "fingerprint": sa.bindparam("p_fingerprint", type_=table.c.fingerprint.type),
+            "state": sa.bindparam("p_state", type_=table.c.state.type),
+            "claim_token": token,
+            "response_status": sa.bindparam("p_status", type_=table.c.response_status.type),
+            "response_headers": sa.bindparam("p_headers", type_=HEADERS_TYPE),
+            "response_body": sa.bindparam("p_body", type_=table.c.response_body.type),
+            "created_at": sa.bindparam("p_created_at", type_=timestamp),
+            "completed_at": self.now(),
+            "expires_at": sa.bindparam("p_expires_at", type_=timestamp),
+        }
+        holder = sa.func.current_setting(_RESERVED_SETTING, True) == token
+        rows = sa.select(*values.values()).where(holder)
+        return Precompiled(table.insert().from_select(list(values), rows), self.engine.dialect)
 
     def complete_reserved(
         self, connection: sa.Connection, record: Record, response: StoredResponse | None
-    ) -> None:
+    ) -> bool:
         scope = record.scope
         parameters = {
             "p_tenant": scope.tenant,
@@ -299,9 +306,10 @@ class PostgresStore(SQLStore):
             **self._completion(scope, response, record.created_at),
         }
         event = "unstored" if response is None else "completed"
-        self._write(
+        outcome = self._write(
             self._insert_completed_statement, parameters, connection, scope=scope, event=event
         )
+        return outcome.rowcount == 1
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         # Rows land in DEFAULT only when upkeep fell behind; expire them row by row, in

@@ -15,6 +15,14 @@ until that commit in both versions, and the reserved ``created_at`` is still the
 after taking the lock, so the horizon of revision 0006 holds as it is: the row commits before
 the lock is released.
 
+One thing the in-progress row used to catch has to be caught explicitly: a view that ends the
+business transaction itself (``idem.connection().rollback()``) also
+releases the lock, and a duplicate may run meanwhile. The in-progress row went with that
+transaction, so the completion's ``UPDATE`` found nothing and the request lost its claim. Here
+the function marks the transaction with a setting local to it (``flask_idem.reserved``, the
+claim token), and the completion inserts the record only while the setting still holds the
+token: in any later transaction it inserts nothing, and the request loses its claim as before.
+
 ``idempotency_claim_atomic`` stays: a worker still running the previous release during a
 rolling deploy keeps claiming, and completing with its ``UPDATE``, as before.
 
@@ -37,7 +45,8 @@ SIGNATURE = (
 )
 
 #: The atomic claim's insert, as revision 0001 spells it (its one ``WITH``).
-INSERT = """        WITH inserted AS (
+INSERT = """    RETURN QUERY
+        WITH inserted AS (
             INSERT INTO idempotency_keys (
                 tenant, endpoint, key, fingerprint, state, claim_token,
                 lease_expires_at, created_at, expires_at)
@@ -50,8 +59,15 @@ INSERT = """        WITH inserted AS (
                i.response_status, i.response_headers, i.response_body, i.created_at,
                i.completed_at, i.expires_at, v_now
           FROM inserted AS i;"""
-#: The same record, returned and not written (the store inserts it completed).
-RESERVE = """        -- Reserved, not written: the store inserts it completed before the commit.
+#: The same record, returned and not written (the store inserts it completed), and the
+#: transaction marked as the one holding it.
+RESERVE = """    -- A setting local to this transaction (it ends with it, as the lock does): the
+    -- completion inserts the record only while it still reads this claim's token, so never
+    -- after the view ended the transaction itself (a rollback releases the lock, and a
+    -- duplicate may then have run).
+    PERFORM set_config('flask_idem.reserved', p_token, true);
+    RETURN QUERY
+        -- Reserved, not written: the store inserts it completed before the commit.
         SELECT true, p_fingerprint, 'in_progress'::text, p_token, v_now + make_interval(
                    secs => p_lease), NULL::integer, NULL::jsonb, NULL::bytea, v_now,
                NULL::timestamptz, v_now + make_interval(secs => p_ttl), v_now;"""
