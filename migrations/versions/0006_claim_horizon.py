@@ -21,7 +21,8 @@ Why no live record is missed (the proof the bound rests on):
    (NTP correcting a fast clock, a host booted with its RTC in local time, 14 hours at worst)
    and the skew between Citus nodes after a shard moves. A clock stepped back further than a
    day, while records made before the step are live, is the one case the bound does not cover:
-   such rows would not block a claim until the clock caught up.
+   such rows would not block a claim until the clock caught up. A clock fault of that size
+   already defeats any TTL the other way: a step forward by a TTL expires every live record.
 
 Nothing is narrowed in the past: a record stays live for its TTL from its claim and for its TTL
 from the end of its request, however long that request ran, so no bound on ``created_at`` from
