@@ -130,12 +130,28 @@ def _run(
     app_state = AppState.current()
     if not app_state.settings.enabled:
         return _unprotected(function, call)
+    _refuse_a_shared_session(app_state, options)
     scope = Scope(_tenant(options, call), options.endpoint, _key(options, call))
     with _attached(RequestState(scope, options)) as state:
         stored = _claim(app_state, state, _fingerprint(options, call))
         if stored is not None:
             return _replayed(stored)
         return _execute(app_state, state, current_app.ensure_sync(function), call)
+
+
+def _refuse_a_shared_session(app_state: AppState, options: JobOptions) -> None:
+    """With ``Idempotency(db=...)`` a job's business transaction is ``db.session``, the one of
+    the protected view (or job) it would run inside: its completion would commit that
+    transaction half-way, publishing the outer writes without their record and, for an atomic
+    view, releasing its hold on the key, so a retry would run the view again."""
+    outer = RequestState.current()
+    if app_state.sessions is None or outer is None or outer.token is None or outer.finished:
+        return
+    raise RuntimeError(
+        f"job {options.name!r} cannot run inside a protected request or job with "
+        "Idempotency(db=...): it shares db.session, and its commit would commit the outer "
+        "transaction half-way; enqueue it, or run it after the response"
+    )
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import sys
 import time
 import typing as t
 
+import flask
 import pytest
 import sqlalchemy as sa
 from flask import Flask
@@ -165,3 +166,41 @@ def test_kill_9_leaves_both_or_neither(db_url: str, mode: str) -> None:
             with orm_app.db.engine.begin() as conn:
                 conn.exec_driver_sql("DELETE FROM idempotency_keys")
             orm_app.db.engine.dispose()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_job_inside_a_protected_view_is_refused(
+    orm: tuple[Flask, Idempotency], mode: str
+) -> None:
+    """The job would share ``db.session`` with the view: its commit would publish the view's
+    payment without its record (and free an atomic view's key), so a retry would charge again.
+    Refused loudly instead; nothing commits, and the key is not completed."""
+    app, idem = orm
+    receipts: list[str] = []
+
+    @idem.job("receipt", key="order", tenant=lambda order: "alpha")
+    def receipt(order: str) -> str:
+        receipts.append(order)
+        return order
+
+    @app.post(f"/with-job-{mode}")
+    @idem.idempotent(atomic=mode == "atomic")
+    def with_job() -> t.Any:
+        key = flask.request.headers["Idempotency-Key"]
+        orm_app.db.session.add(orm_app.Payment(idem_key=key, amount=5))
+        orm_app.db.session.flush()
+        receipt(key)
+        return {"ok": True}, 201
+
+    client = app.test_client()
+    with count_runs(app) as runs:
+        first = client.post(f"/with-job-{mode}", headers={"Idempotency-Key": "j"})
+        again = client.post(f"/with-job-{mode}", headers={"Idempotency-Key": "j"})
+    assert first.status_code == 500 and receipts == []
+    assert _payments(app) == [], "the view's payment never committed"
+    if mode == "atomic":
+        assert again.status_code == 500 and runs.count == 2, "rolled back: the key is free"
+    else:
+        assert again.status_code == 409, "durable: unknown outcome, never run again"
+    with app.app_context():
+        assert receipt("outside") == "outside", "outside a protected request the job runs"
