@@ -364,11 +364,11 @@ class Bench:
 _MARKERS = {
     "bare": "INSERT INTO bench_payments",
     "idem": "idempotency_claim(",
-    "idem-atomic": "idempotency_claim_atomic(",
+    "idem-atomic": "idempotency_claim_reserve(",
     "handwritten": "INSERT INTO bench_handwritten_keys",
     "handwritten-atomic": "SELECT fingerprint, state, status, body, headers FROM bench_hand",
     "handwritten-partitioned": "idempotency_claim(",
-    "handwritten-atomic-partitioned": "idempotency_claim_atomic(",
+    "handwritten-atomic-partitioned": "idempotency_claim_reserve(",
 }
 #: Where each protected app keeps its records (counted after the storms).
 _RECORDS = {

@@ -68,12 +68,25 @@ def _rows(url: str, key: str) -> int:
 )
 def test_apps_answer_the_same_payment(bench_url: str, factory: t.Any) -> None:
     app = factory(bench_url)
+    sent: list[str] = []
+
+    def record(_conn: t.Any, _cursor: t.Any, statement: str, *_args: t.Any) -> None:
+        sent.append(statement)
+
     try:
         client = app.test_client()
         key = f"smoke-{factory.__name__}"
         headers = {"Idempotency-Key": key}
-        first = client.post("/payments", json=BODY, headers=headers)
+        sa.event.listen(sa.Engine, "before_cursor_execute", record)
+        try:
+            first = client.post("/payments", json=BODY, headers=headers)
+        finally:
+            sa.event.remove(sa.Engine, "before_cursor_execute", record)
         assert first.status_code == 201
+        # The runner counts served requests by this statement (per-request figures divide by
+        # it): exactly one per request.
+        name = {function: app for app, function in runner.FACTORIES.items()}[factory.__name__]
+        assert len([sql for sql in sent if runner._MARKERS[name] in sql]) == 1, sent
         payment = first.get_json()
         assert payment["id"].startswith("pay_")
         assert {k: payment[k] for k in ("amount", "currency", "customer")} == BODY
@@ -259,7 +272,7 @@ def test_every_app_has_a_factory_a_marker_and_records() -> None:
     assert set(runner.IDEM_APPS) == set(report.IDEM_APPS)
     assert set(report.REFERENCES.values()) <= set(runner.APPS)
     # The durable claim's marker must not count the atomic claim's calls.
-    assert runner._MARKERS["idem"] not in "SELECT * FROM idempotency_claim_atomic($1)"
+    assert runner._MARKERS["idem"] not in "SELECT * FROM idempotency_claim_reserve($1)"
 
 
 @pytest.fixture
