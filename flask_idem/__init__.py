@@ -20,7 +20,15 @@ from .keys import derive_key
 from .options import ViewOptions
 from .problem import Problem
 from .reconcile import Settlement, Verdict
-from .record import ClaimResult, MaintenanceReport, Record, Scope, State, StoredResponse
+from .record import (
+    ClaimResult,
+    MaintenanceReport,
+    Record,
+    Reservation,
+    Scope,
+    State,
+    StoredResponse,
+)
 from .store import Store, create_store
 
 __version__ = "0.1.0"
@@ -40,6 +48,7 @@ __all__ = [
     "MaintenanceReport",
     "Problem",
     "Record",
+    "Reservation",
     "Scope",
     "Settlement",
     "State",

@@ -101,10 +101,9 @@ def store_result(app_state: AppState, state: RequestState, snapshot: StoredRespo
     assert state.scope is not None and state.token is not None
     if state.session is not None:
         app_state.begin(state)  # the completion joins the session's transaction
-    if state.reserved:
+    if state.reservation is not None:
         # An atomic claim's record: written once, completed, by the transaction holding it.
-        assert state.connection is not None and state.record is not None
-        stored = app_state.store.complete_reserved(state.connection, state.record, snapshot)
+        stored = state.reservation.complete(snapshot)
     else:
         stored = app_state.store.complete(
             state.scope,

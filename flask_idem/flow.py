@@ -267,7 +267,7 @@ def _claim_atomic(
             result = store.claim_atomic(connection, state.scope, digest, ttl=ttl)
             if result is not None and result.claimed:
                 state.token, state.record = result.token, result.record
-                state.reserved = result.reserved
+                state.reservation = result.reservation
                 emit(signals.claimed, state.scope)
                 return None
             rollback(state)

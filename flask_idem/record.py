@@ -84,6 +84,18 @@ class Record:
         return max(0.0, (self.lease_expires_at - self.now).total_seconds())
 
 
+class Reservation(t.Protocol):
+    """A record an atomic claim holds without having written it."""
+
+    def complete(self, response: StoredResponse | None) -> bool:
+        """Write the record, completed with ``response`` (None: used, not replayable), into the
+        claim's transaction.
+
+        :returns: False when the transaction that reserved it has ended meanwhile (and with it
+            the claim's hold on the scope): nothing is written.
+        """
+
+
 @dataclasses.dataclass(frozen=True)
 class ClaimResult:
     """What a claim found: a fresh record owned by the caller, or somebody else's record."""
@@ -92,10 +104,10 @@ class ClaimResult:
     claimed: bool
     #: The claim took over a record nobody owned (set by the attempt, not the store).
     taken_over: bool = False
-    #: The record is reserved, not written: an atomic claim's scope is held by its lock until
-    #: the business transaction ends, and :meth:`Store.complete_reserved` inserts the record,
-    #: completed, into that transaction (PostgreSQL; one row write per new key).
-    reserved: bool = False
+    #: Set when the record is reserved, not written (PostgreSQL's atomic claim): the scope is
+    #: held by the claim's lock until the business transaction ends, and the reservation
+    #: writes the record, completed, into that transaction (one row write per new key).
+    reservation: Reservation | None = None
 
     @property
     def token(self) -> str:

@@ -19,7 +19,7 @@ from flask import current_app, g
 from .config import Settings
 from .lease import LeaseKeeper, Watch
 from .options import JobOptions, ViewOptions
-from .record import Record, Scope
+from .record import Record, Reservation, Scope
 from .store import Store
 from .store.sql import translate_errors
 
@@ -91,8 +91,8 @@ class RequestState:
     token: str | None = None
     #: The record this request owns (claimed or taken over).
     record: Record | None = None
-    #: ``record`` is reserved, not written yet (see :attr:`ClaimResult.reserved`).
-    reserved: bool = False
+    #: Set when ``record`` is reserved, not written yet (see :attr:`ClaimResult.reservation`).
+    reservation: Reservation | None = None
     watch: Watch | None = None
     connection: sa.Connection | None = None
     #: The view or job declared contact with the outside world (``downstream_key()``...).

@@ -123,8 +123,8 @@ def exercise(store: SQLStore) -> None:
     try:
         claimed = store.claim_atomic(atomic, Scope("tenant-a", "POST /p", "atomic"), FP, ttl=600)
         assert claimed is not None and claimed.claimed
-        if claimed.reserved:
-            store.complete_reserved(atomic, claimed.record, RESPONSE)
+        if claimed.reservation is not None:
+            assert claimed.reservation.complete(RESPONSE)
         else:
             store.complete(claimed.record.scope, claimed.token, RESPONSE, connection=atomic)
         atomic.commit()

@@ -111,19 +111,6 @@ class Store(abc.ABC):
         :returns: False when the token no longer owns the record (lease taken over).
         """
 
-    def complete_reserved(
-        self, connection: sa.Connection, record: Record, response: StoredResponse | None
-    ) -> bool:
-        """Insert the record an atomic claim reserved (:attr:`ClaimResult.reserved`), completed
-        with ``response`` (None: used, not replayable), into the caller's open transaction.
-
-        Only stores whose :meth:`claim_atomic` reserves need it.
-
-        :returns: False when ``connection`` is no longer in the transaction that reserved the
-            record (it was ended meanwhile, and with it the claim's hold on the scope).
-        """
-        raise NotImplementedError(f"{type(self).__name__}.claim_atomic never reserves a record")
-
     @abc.abstractmethod
     def release(self, scope: Scope, token: str, *, created_at: dt.datetime | None = None) -> bool:
         """Forget an in-progress claim so that a retry executes afresh."""

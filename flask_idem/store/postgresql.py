@@ -24,9 +24,9 @@ The guard
 
     The atomic claim (``idempotency_claim_reserve``, migration 0007) runs the same steps inside
     the business transaction with a *try*-lock, and step 4 only reserves the record: the
-    completion inserts it, completed, in that transaction (:meth:`PostgresStore.complete_reserved`),
-    so an atomic request writes its record once, and the lock, held until the commit, keeps
-    every duplicate out meanwhile.
+    completion inserts it, completed, in that transaction (:class:`ClaimResult`'s
+    ``reservation``), so an atomic request writes its record once, and the lock, held until the
+    commit, keeps every duplicate out meanwhile.
 
     The lock is released at commit, after the insert is visible, so the next waiter's lookup
     sees it: two claims of one scope can never both insert. A hash collision between two scopes
@@ -107,7 +107,7 @@ _AUDIT_PARTITIONS = sa.text(
 )
 #: Monthly audit partitions kept ready after the current month.
 AUDIT_MONTHS_AHEAD = 2
-# The atomic claim reserves the record it would insert (migration 0007): complete_reserved
+# The atomic claim reserves the record it would insert (migration 0007): its reservation
 # inserts it, completed, in the same transaction.
 _CLAIM_ATOMIC = _CLAIM.replace("idempotency_claim(", "idempotency_claim_reserve(")
 # An atomic claim that found the scope's lock held (the holder may only be *replaying*): the
@@ -189,6 +189,18 @@ def _claim_parameters(
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Reservation:
+    """:class:`~flask_idem.record.Reservation` of :meth:`PostgresStore.claim_atomic`."""
+
+    store: PostgresStore
+    connection: sa.Connection
+    record: Record
+
+    def complete(self, response: StoredResponse | None) -> bool:
+        return self.store.complete_reserved(self.connection, self.record, response)
+
+
 class PostgresStore(SQLStore):
     """Store on PostgreSQL >= 13 with the schema of ``alembic upgrade head``."""
 
@@ -263,9 +275,11 @@ class PostgresStore(SQLStore):
                 row = connection.exec_driver_sql(_FIND_COMPLETED, parameters).first()
                 if row is None:
                     return None
-        claimed = bool(row.claimed)
         record = record_from_row(scope, row, self.sealer)
-        return ClaimResult(record, claimed=claimed, reserved=claimed)
+        if not row.claimed:
+            return ClaimResult(record, claimed=False)
+        reservation = _Reservation(self, connection, record)
+        return ClaimResult(record, claimed=True, reservation=reservation)
 
     @functools.cached_property
     def _insert_completed_statement(self) -> Precompiled:
@@ -294,6 +308,9 @@ class PostgresStore(SQLStore):
     def complete_reserved(
         self, connection: sa.Connection, record: Record, response: StoredResponse | None
     ) -> bool:
+        """Insert the record :meth:`claim_atomic` reserved, completed with ``response``, into
+        ``connection``'s transaction, if it is still the one that reserved it (see
+        :class:`~flask_idem.record.Reservation`)."""
         scope = record.scope
         parameters = {
             "p_tenant": scope.tenant,

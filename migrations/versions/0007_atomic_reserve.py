@@ -44,21 +44,9 @@ SIGNATURE = (
     "idempotency_claim_reserve(text, text, text, bytea, text, double precision, double precision)"
 )
 
-#: The atomic claim's insert, as revision 0001 spells it (its one ``WITH``).
-INSERT = """    RETURN QUERY
-        WITH inserted AS (
-            INSERT INTO idempotency_keys (
-                tenant, endpoint, key, fingerprint, state, claim_token,
-                lease_expires_at, created_at, expires_at)
-            VALUES (
-                p_tenant, p_endpoint, p_key, p_fingerprint, 'in_progress', p_token,
-                v_now + make_interval(secs => p_lease), v_now,
-                v_now + make_interval(secs => p_ttl))
-            RETURNING *)
-        SELECT true, i.fingerprint, i.state::text, i.claim_token::text, i.lease_expires_at,
-               i.response_status, i.response_headers, i.response_body, i.created_at,
-               i.completed_at, i.expires_at, v_now
-          FROM inserted AS i;"""
+#: Where the atomic claim's insert starts and ends (revision 0001's text, found, not copied).
+INSERT_START = "    RETURN QUERY\n        WITH inserted AS ("
+INSERT_END = "FROM inserted AS i;"
 #: The same record, returned and not written (the store inserts it completed), and the
 #: transaction marked as the one holding it.
 RESERVE = """    -- A setting local to this transaction (it ends with it, as the lock does): the
@@ -76,9 +64,12 @@ RESERVE = """    -- A setting local to this transaction (it ends with it, as the
 def reserve_function() -> str:
     """The atomic claim of revision 0006, renamed, with its insert made a reservation."""
     atomic = context.script.get_revision("0006").module.claim_functions(bounded=True)[1]
-    if atomic.count(INSERT) != 1:
+    if atomic.count(INSERT_START) != 1 or atomic.count(INSERT_END) != 1:
         raise RuntimeError("revision 0006's atomic claim is not the one this revision expects")
-    return atomic.replace(INSERT, RESERVE).replace(
+    start = atomic.index(INSERT_START)
+    end = atomic.index(INSERT_END, start) + len(INSERT_END)
+    reserving = atomic[:start] + RESERVE + atomic[end:]
+    return reserving.replace(
         "FUNCTION idempotency_claim_atomic(", "FUNCTION idempotency_claim_reserve(", 1
     )
 
