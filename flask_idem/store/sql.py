@@ -99,32 +99,60 @@ def record_from_row(
     m = row._mapping
     if scope is None:
         scope = Scope(m["tenant"], m["endpoint"], m["key"])
-    created_at = _aware(m["created_at"])
-    expires_at = _aware(m["expires_at"])
-    now = _aware(m["db_now"]) if now is None else now
+    return build_record(
+        scope,
+        sealer,
+        m["fingerprint"],
+        m["state"],
+        m["claim_token"],
+        _aware(m["lease_expires_at"]),
+        m["response_status"],
+        m["response_headers"],
+        m["response_body"],
+        _aware(m["created_at"]),
+        _aware(m["completed_at"]),
+        _aware(m["expires_at"]),
+        _aware(m["db_now"]) if now is None else now,
+    )
+
+
+def build_record(
+    scope: Scope,
+    sealer: Sealer,
+    fingerprint: bytes,
+    state: str,
+    claim_token: str | None,
+    lease_expires_at: dt.datetime | None,
+    response_status: int | None,
+    response_headers: t.Any,
+    response_body: bytes | None,
+    created_at: dt.datetime | None,
+    completed_at: dt.datetime | None,
+    expires_at: dt.datetime | None,
+    now: dt.datetime | None,
+) -> Record:
+    """A :class:`Record` from its column values in ``RECORD_COLUMNS`` order, then the
+    database clock (timestamps timezone-aware), opening the stored response with
+    ``sealer`` (see :func:`record_from_row`)."""
     assert created_at is not None and expires_at is not None and now is not None
     response = None
     unreadable = None
-    if m["response_status"] is not None and m["response_body"] is not None:
+    if response_status is not None and response_body is not None:
         try:
             response = sealer.open(
-                scope,
-                created_at,
-                m["response_status"],
-                m["response_headers"],
-                bytes(m["response_body"]),
+                scope, created_at, response_status, response_headers, bytes(response_body)
             )
         except UnreadableResponse as exc:
             unreadable = exc.reason
     return Record(
         scope=scope,
-        fingerprint=bytes(m["fingerprint"]),
-        state=State(m["state"]),
-        claim_token=m["claim_token"],
-        lease_expires_at=_aware(m["lease_expires_at"]),
+        fingerprint=bytes(fingerprint),
+        state=State(state),
+        claim_token=claim_token,
+        lease_expires_at=lease_expires_at,
         response=response,
         created_at=created_at,
-        completed_at=_aware(m["completed_at"]),
+        completed_at=completed_at,
         expires_at=expires_at,
         now=now,
         unreadable=unreadable,
