@@ -80,7 +80,6 @@ from .sql import (
     SQLStore,
     build_record,
     new_token,
-    record_from_row,
     translate_errors,
 )
 
@@ -263,62 +262,93 @@ class PostgresStore(SQLStore):
         return ClaimResult(build_record(scope, self.sealer, *columns), claimed=bool(claimed))
 
     def _claim_row(self, statement: str, parameters: dict[str, t.Any]) -> tuple[t.Any, ...]:
-        """The claim's row, through the driver's cursor on a pooled connection in autocommit.
-
-        A replay is this one statement, and SQLAlchemy's result machinery (column metadata
-        for twelve columns, a ``Connection`` around the pooled one) was a fifth of its Python
-        calls (``python -m bench profile``). What ``exec_driver_sql`` does besides is kept: a
-        failure is SQLAlchemy's exception for it (``DBAPIError.instance``, parameters hidden
-        as the engine says), a disconnect invalidates the pool and an interrupted statement
-        its connection, so the pool never hands a dead or half-read connection out again.
-        Cursor listeners (tracing, statement counters) see the claim through
-        ``exec_driver_sql`` instead (:func:`_traced`).
-        """
-        engine = self.engine
-        dialect = engine.dialect
-        pooled = None
-        dbapi_connection: t.Any = None
-        cursor = None
+        """The claim's row on a pooled connection in autocommit, through the driver's cursor
+        (:meth:`_driver_row`)."""
         try:
-            pooled = engine.raw_connection()
+            pooled = self.engine.raw_connection()
+        except self.engine.dialect.loaded_dbapi.Error as exc:
+            raise self._wrapped(exc, None, None, invalidated=False) from exc
+        try:
             dbapi_connection = pooled.dbapi_connection
+            assert dbapi_connection is not None
             dbapi_connection.autocommit = True
             try:
-                cursor = dbapi_connection.cursor()
-                cursor.execute(statement, parameters)
-                values = cursor.fetchone()
-                cursor.close()
+                values = self._driver_row(pooled, None, statement, parameters)
             finally:
                 if not dbapi_connection.closed:
                     dbapi_connection.autocommit = False
-        except BaseException as exc:
-            # As Connection._handle_dbapi_exception: an interrupted statement (SystemExit from
-            # a worker timeout) leaves the connection in an unknown state, a disconnect
-            # invalidates the whole pool (every connection older than it is replaced).
-            invalidated = False
-            if not isinstance(exc, Exception):
-                if pooled is not None:
-                    pooled.invalidate(exc)
-                raise
-            if isinstance(exc, dialect.loaded_dbapi.Error) and pooled is not None:
-                invalidated = dialect.is_disconnect(exc, dbapi_connection, cursor)
-                if invalidated:
-                    engine.pool._invalidate(pooled, exc)
-            raise sa.exc.DBAPIError.instance(
-                statement,
-                parameters,
-                exc,
-                dialect.loaded_dbapi.Error,
-                hide_parameters=engine.hide_parameters,
-                connection_invalidated=invalidated,
-                dialect=dialect,
-            ) from exc
         finally:
-            if pooled is not None:
-                pooled.close()
+            pooled.close()
         if values is None:
             raise sa.exc.NoResultFound("the claim returned no row")
-        return t.cast(tuple[t.Any, ...], values)
+        return values
+
+    def _driver_row(
+        self,
+        pooled: t.Any,
+        owner: sa.Connection | None,
+        statement: str,
+        parameters: dict[str, t.Any],
+    ) -> tuple[t.Any, ...] | None:
+        """The first row of ``statement``, through the driver's cursor of ``pooled`` (a
+        pooled connection, checked out by ``owner`` when it is a ``Connection``'s).
+
+        A claim is one statement, and SQLAlchemy's result machinery (column metadata for
+        twelve columns, a ``Connection`` around the pooled one) was a fifth of a replay's
+        Python calls (``python -m bench profile``). What ``exec_driver_sql`` does besides is
+        kept, as ``Connection._handle_dbapi_exception`` does it: a failure is SQLAlchemy's
+        exception for it (``DBAPIError.instance``, parameters hidden as the engine says), a
+        disconnect invalidates the whole pool (every connection older than it is replaced),
+        and an interrupted statement (``SystemExit`` from a worker timeout) its connection, so
+        the pool never hands a dead or half-read connection out again. Cursor listeners
+        (tracing, statement counters) see claims through ``exec_driver_sql`` instead
+        (:func:`_traced`).
+        """
+        dbapi_connection = pooled.dbapi_connection
+        cursor = None
+        try:
+            cursor = dbapi_connection.cursor()
+            cursor.execute(statement, parameters)
+            values = cursor.fetchone()
+            cursor.close()
+        except BaseException as exc:
+            interrupted = not isinstance(exc, Exception)
+            invalidated = interrupted or (
+                isinstance(exc, self.engine.dialect.loaded_dbapi.Error)
+                and self.engine.dialect.is_disconnect(exc, dbapi_connection, cursor)
+            )
+            if invalidated and not interrupted:
+                self.engine.pool._invalidate(pooled, exc)
+            if invalidated and owner is not None:
+                owner.invalidate(exc)
+            elif invalidated and pooled.is_valid:
+                pooled.invalidate(exc)
+            if interrupted:
+                raise
+            raise self._wrapped(exc, statement, parameters, invalidated=invalidated) from exc
+        return t.cast("tuple[t.Any, ...] | None", values)
+
+    def _wrapped(
+        self,
+        exc: BaseException,
+        statement: str | None,
+        parameters: dict[str, t.Any] | None,
+        *,
+        invalidated: bool,
+    ) -> sa.exc.DBAPIError:
+        dialect = self.engine.dialect
+        return t.cast(
+            sa.exc.DBAPIError,
+            sa.exc.DBAPIError.instance(
+                statement,
+                parameters,
+                t.cast(Exception, exc),
+                dialect.loaded_dbapi.Error,
+                hide_parameters=self.engine.hide_parameters,
+                connection_invalidated=invalidated,
+                dialect=dialect,
+            ),
+        )
 
     def claim_atomic(
         self, connection: sa.Connection, scope: Scope, fingerprint: bytes, *, ttl: float
@@ -338,18 +368,28 @@ class PostgresStore(SQLStore):
             statement = _CLAIM_ATOMIC_AUDITED
             parameters.update(self._audit_values(scope, "claimed"))
         with _isolation_explained(), translate_errors():
-            row = connection.exec_driver_sql(statement, parameters).first()
-            if row is None:
+            values = self._atomic_row(connection, statement, parameters)
+            if values is None:
                 # The scope's lock is held: a duplicate is running, or only replaying a
                 # completed record, which this request may replay too (see _FIND_COMPLETED).
-                row = connection.exec_driver_sql(_FIND_COMPLETED, parameters).first()
-                if row is None:
+                values = self._atomic_row(connection, _FIND_COMPLETED, parameters)
+                if values is None:
                     return None
-        record = record_from_row(scope, row, self.sealer)
-        if not row.claimed:
+        claimed, *columns = values
+        record = build_record(scope, self.sealer, *columns)
+        if not claimed:
             return ClaimResult(record, claimed=False)
         reservation = _Reservation(self, connection, record)
         return ClaimResult(record, claimed=True, reservation=reservation)
+
+    def _atomic_row(
+        self, connection: sa.Connection, statement: str, parameters: dict[str, t.Any]
+    ) -> tuple[t.Any, ...] | None:
+        """The first row of an atomic claim's statement, in the business transaction."""
+        if _traced(self.engine):
+            row = connection.exec_driver_sql(statement, parameters).first()
+            return None if row is None else tuple(row)
+        return self._driver_row(connection.connection, connection, statement, parameters)
 
     @functools.cached_property
     def _insert_completed_statement(self) -> Precompiled:
