@@ -36,21 +36,22 @@ def read_body(request: Request, limit: int) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limit:
         raise _too_large(limit)
-    if "stream" in request.__dict__:
-        # Someone read from the stream before us (the cached property exists): take what was
-        # read, and still insist on the declared length.
+    if declared is not None or "stream" in request.__dict__:
+        # A declared length (within the limit) is what werkzeug reads, and no more; or someone
+        # read from the stream before us (the cached property exists): take what was read.
+        # Either way a short read is an incomplete body.
         body = _guarded(lambda: request.get_data(cache=True))
         _check(body, declared, limit)
         return body
     environ = request.environ
     source = environ.get("wsgi.input")
-    if source is None or (declared is None and not environ.get("wsgi.input_terminated")):
+    if source is None or not environ.get("wsgi.input_terminated"):
         # No framing: werkzeug reads nothing in this case either (a keep-alive connection
         # would otherwise block until the client gives up).
         body = b""
     else:
-        body = _read(source, limit + 1 if declared is None else declared, limit)
-    _check(body, declared, limit)
+        body = _read(source, limit)
+    _check(body, None, limit)
     # Hand the exact bytes to werkzeug, so that get_data(), get_json() and form parsing in the
     # view see this body and nothing after it.
     environ["wsgi.input"] = io.BytesIO(body)
@@ -62,11 +63,12 @@ def read_body(request: Request, limit: int) -> bytes:
     return request.get_data(cache=True)
 
 
-def _read(source: t.Any, wanted: int, limit: int) -> bytes:
+def _read(source: t.Any, limit: int) -> bytes:
+    """A body of undeclared length (chunked), up to one byte past ``limit``."""
     chunks: list[bytes] = []
     received = 0
     # Read one byte past the limit to tell "exactly at the limit" from "over it".
-    ceiling = min(wanted, limit + 1)
+    ceiling = limit + 1
     while received < ceiling:
         chunk = _guarded(functools.partial(source.read, min(_CHUNK, ceiling - received)))
         if not chunk:
