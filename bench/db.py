@@ -80,6 +80,28 @@ def process_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def machine_cpu() -> tuple[int, int] | None:
+    """The machine's CPU time so far, from ``/proc/stat``: (stolen, total) in clock ticks.
+
+    *Stolen* is time the hypervisor ran something else while this VM had work: on a shared VM
+    it comes in bursts of seconds, slows every process alike and shows in no process's CPU.
+    """
+    try:
+        first = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    ticks = [int(value) for value in first[1:]]
+    # user nice system idle iowait irq softirq steal guest guest_nice; guests are in user.
+    return (ticks[7], sum(ticks[:8])) if first[0] == "cpu" and len(ticks) >= 8 else None
+
+
+def stolen_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time stolen between two :func:`machine_cpu` readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def children(parent: int) -> list[int]:
     """Direct children of a process (a gunicorn master's workers)."""
     found = []

@@ -31,6 +31,8 @@ METRICS = (
 )
 #: The concurrency the targets of issue 12 are stated at.
 TARGET_CONCURRENCY = 8
+#: A run that lost more than this share of the machine's CPU to the hypervisor is counted.
+STEAL_NOTICE = 0.10
 #: The floor, and the references flask_idem's apps are also compared with.
 BARE, HANDWRITTEN = "bare", "handwritten"
 HANDWRITTEN_ATOMIC = "handwritten-atomic"
@@ -325,6 +327,19 @@ def storm_lines(document: Document) -> list[str]:
     return lines
 
 
+def steal_line(document: Document) -> str | None:
+    """How much CPU the hypervisor took during the measured runs (None if not recorded)."""
+    shares = sorted(run["steal"] for run in document["runs"] if run.get("steal") is not None)
+    if not shares:
+        return None
+    over = sum(1 for share in shares if share > STEAL_NOTICE)
+    return (
+        f"CPU stolen by the hypervisor during the measured runs (share of the machine's CPU "
+        f"time, /proc/stat): median {statistics.median(shares):.1%}, max {shares[-1]:.1%}; "
+        f"{over} of {len(shares)} runs above {STEAL_NOTICE:.0%}"
+    )
+
+
 def header(document: Document) -> str:
     options, pg, machine = document["options"], document["postgresql"], document["machine"]
     return (
@@ -349,7 +364,9 @@ def format_text(document: Document) -> str:
 
     out = [header(document), "", line(names), "  ".join("-" * w for w in widths)]
     out += [line(cells) for cells in body]
-    out += ["", *storm_lines(document), "", "targets (medians at concurrency 8):"]
+    stolen = steal_line(document)
+    out += ["", *storm_lines(document), *([stolen] if stolen else [])]
+    out += ["", "targets (medians at concurrency 8):"]
     for target in check_targets(document, rows):
         verdict = {True: "holds", False: "MISSED", None: "not measured"}[target["holds"]]
         if target.get("floor"):

@@ -36,7 +36,7 @@ from flask_idem.migrate import upgrade
 
 from . import load
 from .apps import create_schema, database_url
-from .db import Probe, Server, cpu_delta
+from .db import Probe, Server, cpu_delta, machine_cpu, stolen_share
 from .servers import Gunicorn
 
 APPS = (
@@ -126,6 +126,8 @@ class Run:
     app_cpu_ms: float | None = None
     db_cpu_ms: float | None = None
     client_cpu_ms: float | None = None
+    #: The share of the machine's CPU time the hypervisor stole during the run (0 to 1).
+    steal: float | None = None
     top_statements: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
@@ -242,8 +244,10 @@ class Bench:
         xid = self.probe.next_xid()
         app_cpu = server.cpu()
         db_cpu = self.probe.backend_cpu(database)
+        machine = machine_cpu()
         tag = f"s1-{app}-r{round_}-c{concurrency}-{secrets.token_hex(4)}"
         result = self._drive(app, scenario, concurrency, tag)
+        stolen = stolen_share(machine, machine_cpu())
         app_cpu_used = cpu_delta(app_cpu, server.cpu())
         db_cpu_used = cpu_delta(db_cpu, self.probe.backend_cpu(database))
         xids = self.probe.next_xid() - xid
@@ -270,6 +274,7 @@ class Bench:
             app_cpu_ms=app_cpu_used / n * 1000,
             db_cpu_ms=(db_cpu_used / n * 1000) if db_cpu else None,
             client_cpu_ms=result.client_cpu / n * 1000,
+            steal=stolen,
             top_statements=top,
         )
         self.pending[app] = self.executor.submit(self._flush, app, run, before_xact)

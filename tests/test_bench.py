@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import typing as t
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from werkzeug.serving import make_server
 
-from bench import load, report, runner
+from bench import db, load, report, runner
 from bench.__main__ import parse
 from bench.apps import (
     HEALTH_PATH,
@@ -493,6 +494,22 @@ def test_report_flags_a_missed_target() -> None:
     verdicts = {t["target"]: t["holds"] for t in report.complete(document)["targets"]}
     assert verdicts["durable S2 exactly 1 statement"] is False
     assert verdicts["atomic S1 server CPU <= 1.35x bare"] is False
+
+
+def test_report_says_how_much_cpu_the_hypervisor_took() -> None:
+    document = _document()
+    assert "stolen" not in report.format_text(document)  # older results carry no figure
+    for i, run in enumerate(document["runs"]):
+        run["steal"] = 0.3 if i < 3 else 0.01
+    line = report.steal_line(document)
+    assert line is not None and line in report.format_text(document)
+    assert "median 1.0%, max 30.0%; 3 of" in line, line
+    before = db.machine_cpu()
+    time.sleep(0.1)
+    after = db.machine_cpu()
+    assert before is not None and after is not None and after[1] > before[1]
+    share = db.stolen_share(before, after)
+    assert share is not None and 0 <= share <= 1
 
 
 def test_command_line() -> None:
