@@ -251,6 +251,11 @@ def test_repeatable_read_is_refused(store: SQLStore) -> None:
 
 class _Gunicorn:
     def __init__(self, url: str, workdir: Path, **env: str) -> None:
+        # The app's table exists before the workers boot: four workers creating it at once
+        # race on CREATE TABLE, and a worker that loses fails to boot, taking gunicorn down.
+        engine = create_engine(url)
+        atomic_app.orders.metadata.create_all(engine)
+        engine.dispose()
         self.port = free_port()
         self.log = workdir / "gunicorn.log"
         command = [
