@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 import typing as t
+import urllib.parse
 
 from werkzeug.exceptions import ClientDisconnected
 
-from .problem import RequestBodyIncomplete, RequestBodyTooLarge
+from .problem import InternalError, RequestBodyIncomplete, RequestBodyTooLarge
 
 if t.TYPE_CHECKING:
     from flask import Request
 
 _CHUNK = 64 * 1024
+
+log = logging.getLogger("flask_idem")
 
 
 def read_body(request: Request, limit: int) -> bytes:
@@ -36,10 +40,15 @@ def read_body(request: Request, limit: int) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limit:
         raise _too_large(limit)
+    if "form" in request.__dict__ and getattr(request, "_cached_data", None) is None:
+        parsed = _parsed_form(request, limit)
+        if parsed is not None:
+            return parsed
     if declared is not None or "stream" in request.__dict__:
-        # A declared length (within the limit) is what werkzeug reads, and no more; or someone
-        # read from the stream before us (the cached property exists): take what was read.
-        # Either way a short read is an incomplete body.
+        # A declared length (within the limit): werkzeug reads it (bounded by the server:
+        # gunicorn stops at the length); or someone read from the stream before us (the
+        # cached property exists): take what was read. Either way a short read is an
+        # incomplete body.
         body = _guarded(lambda: request.get_data(cache=True))
         _check(body, declared, limit)
         return body
@@ -61,6 +70,35 @@ def read_body(request: Request, limit: int) -> bytes:
     # "Transfer-Encoding: chunked" but is not input_terminated.
     environ.pop("HTTP_TRANSFER_ENCODING", None)
     return request.get_data(cache=True)
+
+
+def _parsed_form(request: Request, limit: int) -> bytes | None:
+    """The body of a form that was parsed before the claim, or None if none was.
+
+    CSRF protection (Flask-WTF) and signature checks read ``request.form`` in a
+    ``before_request`` hook. werkzeug then keeps the fields, not the bytes, and the stream is
+    spent. A URL-encoded form is encoded again from its fields: the fingerprint reads it as the
+    same pairs, so a retry replays and another form is 422. A multipart form cannot be
+    rebuilt byte for byte (its files and boundary): it is refused before any claim, never
+    fingerprinted as an empty body.
+    """
+    if request.mimetype == "application/x-www-form-urlencoded":
+        body = urllib.parse.urlencode(list(request.form.items(multi=True))).encode()
+        if len(body) > limit:
+            raise _too_large(limit)
+        return body
+    if request.mimetype == "multipart/form-data":
+        log.error(
+            "a multipart body was parsed before the idempotency claim (request.form or "
+            "request.files in a before_request hook or a decorator above @idem.idempotent): "
+            "it cannot be fingerprinted; read request.get_data() before it, or give the view "
+            "a fingerprint= function"
+        )
+        raise InternalError(
+            "The server read this request's form before checking its idempotency key, so it "
+            "could not tell a retry from a new request; nothing was executed."
+        )
+    return None
 
 
 def _read(source: t.Any, limit: int) -> bytes:

@@ -151,6 +151,71 @@ def test_a_whole_chunked_body_reaches_the_fingerprint_and_the_view(app_factory: 
     assert counter.calls == 1
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_form_parsed_by_a_hook_before_the_claim_is_still_fingerprinted(
+    store: SQLStore, app_factory: Factory, chunked: bool
+) -> None:
+    """CSRF protection reads ``request.form`` in ``before_request``: werkzeug keeps the
+    fields and spends the stream. The retry replays, another form is 422, never a replay of
+    an empty body's fingerprint."""
+    app, idem, counter = app_factory()
+
+    @app.before_request
+    def csrf() -> None:
+        flask.request.form.get("csrf_token")
+
+    @app.post("/transfers")
+    @idem.idempotent
+    def transfer() -> t.Any:
+        counter.bump()
+        return {"to": flask.request.form["to"]}, 201
+
+    client = app.test_client()
+
+    def send(body: bytes) -> t.Any:
+        environ: dict[str, t.Any] = {"wsgi.input": io.BytesIO(body), "wsgi.input_terminated": True}
+        if chunked:
+            environ |= {"HTTP_TRANSFER_ENCODING": "chunked", "CONTENT_LENGTH": None}
+        return client.post(
+            "/transfers",
+            data=body,
+            content_type="application/x-www-form-urlencoded",
+            headers={"Idempotency-Key": f"form-{chunked}"},
+            environ_overrides=environ,
+        )
+
+    first = send(b"amount=100&to=alice&csrf_token=t")
+    assert (first.status_code, first.get_json()) == (201, {"to": "alice"}), first.data
+    again = send(b"to=alice&amount=100&csrf_token=t")
+    assert again.headers["Idempotent-Replayed"] == "true"
+    _problem(send(b"amount=999999&to=mallory&csrf_token=t"), 422, "idempotency-key-reused")
+    assert counter.calls == 1
+
+
+def test_a_multipart_form_parsed_before_the_claim_is_refused(
+    store: SQLStore, app_factory: Factory
+) -> None:
+    app, idem, counter = app_factory()
+
+    @app.before_request
+    def csrf() -> None:
+        flask.request.form.get("csrf_token")
+
+    @app.post("/uploads")
+    @idem.idempotent
+    def upload() -> t.Any:
+        counter.bump()
+        return "stored", 201
+
+    response = app.test_client().post(
+        "/uploads",
+        data={"csrf_token": "t", "file": (io.BytesIO(b"invoice"), "invoice.pdf")},
+        headers={"Idempotency-Key": "multipart"},
+    )
+    _problem(response, 500, "internal-error")
+    assert (counter.calls, _records(store)) == (0, 0)
+
+
 @pytest.mark.parametrize("where", ["config", "request"])
 def test_the_applications_own_body_limit_still_holds_with_a_key(
     store: SQLStore, app_factory: Factory, where: str

@@ -3,7 +3,6 @@ only SQL stores promise: the database clock, failures as ``StoreUnavailable``, r
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import typing as t
 
@@ -14,7 +13,6 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Scope, State, StoredResponse, StoreUnavailable, create_store
-from flask_idem.migrate import upgrade
 from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing.contract import FP, RESPONSE, StoreContract
 
@@ -112,143 +110,6 @@ class TestRoundTrips:
         finally:
             sa.event.remove(pg_store.engine, "before_cursor_execute", record)
         assert modes == [True, True, True, True]
-
-
-class TestClaimThroughTheDriver:
-    """The claim runs on the driver's cursor unless cursor listeners watch the engine
-    (``PostgresStore._claim_row``): the same statement, record and failure handling either
-    way. ``traced`` runs each test on both paths."""
-
-    @pytest.fixture(params=["driver", "traced"])
-    def traced(self, request: pytest.FixtureRequest, pg_store: SQLStore) -> t.Iterator[bool]:
-        def ignore(*_args: object) -> None:
-            pass
-
-        if request.param == "traced":
-            sa.event.listen(pg_store.engine, "before_cursor_execute", ignore)
-        yield request.param == "traced"
-        if request.param == "traced":
-            sa.event.remove(pg_store.engine, "before_cursor_execute", ignore)
-
-    def test_the_server_sees_one_statement_per_claim_and_no_transaction(
-        self, fresh_pg_database: t.Callable[[], str], scope: Scope
-    ) -> None:
-        url = fresh_pg_database()
-        upgrade(url)
-        store = create_store(url)
-        admin = psycopg2.connect(_libpq_url(store))
-        admin.autocommit = True
-        try:
-            with admin.cursor() as cursor:
-                try:
-                    cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-                except psycopg2.Error:
-                    pytest.skip("pg_stat_statements is not loaded on this server")
-                with store.engine.connect():
-                    pass  # SQLAlchemy's first-connect queries, in a transaction of their own
-                cursor.execute("SELECT pg_stat_statements_reset()")
-            new = store.claim(scope, FP, ttl=60, lease=30)
-            assert new.claimed
-            assert store.complete(scope, new.token, RESPONSE)
-            replay = store.claim(scope, FP, ttl=60, lease=30)
-            assert not replay.claimed and replay.record.response == RESPONSE
-            with admin.cursor() as cursor:
-                cursor.execute(
-                    "SELECT query, calls FROM pg_stat_statements WHERE dbid = "
-                    "(SELECT oid FROM pg_database WHERE datname = current_database()) "
-                    "AND query NOT LIKE '%pg_stat_statements%'"
-                )
-                seen = dict(cursor.fetchall())
-        finally:
-            admin.close()
-            store.engine.dispose()
-        claims = {query: calls for query, calls in seen.items() if "idempotency_claim(" in query}
-        assert list(claims.values()) == [2], seen
-        assert not {"BEGIN", "COMMIT", "ROLLBACK"} & {q.strip().upper() for q in seen}, seen
-
-    def test_both_paths_read_the_same_record(
-        self, pg_store: SQLStore, scope: Scope, traced: bool
-    ) -> None:
-        new = pg_store.claim(scope, FP, ttl=60, lease=30)
-        assert new.claimed and new.record.state is State.IN_PROGRESS
-        assert pg_store.complete(scope, new.token, RESPONSE)
-        found = pg_store.claim(scope, FP, ttl=60, lease=30)
-        assert not found.claimed
-        assert dataclasses.replace(found.record, now=None) == dataclasses.replace(
-            pg_store.get(scope), now=None
-        )
-        assert found.record.response == RESPONSE
-        assert found.record.created_at == new.record.created_at
-
-    @pytest.mark.parametrize("mode", ["durable", "atomic"])
-    def test_a_disconnect_renews_the_whole_pool(
-        self, pg_store: SQLStore, scope: Scope, traced: bool, mode: str
-    ) -> None:
-        # Three pooled connections, all of them killed: the first claim fails closed, and the
-        # next one must not be handed another dead connection.
-        held = [pg_store.engine.connect() for _ in range(3)]
-        pids = [conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one() for conn in held]
-        for conn in held:
-            conn.close()
-        with psycopg2.connect(_libpq_url(pg_store)) as admin, admin.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s) AS pid", (pids,))
-        with pytest.raises(StoreUnavailable) as info:
-            _claim(pg_store, scope, mode)
-        cause = info.value.__cause__
-        assert isinstance(cause, sa.exc.OperationalError), repr(cause)
-        assert cause.connection_invalidated
-        assert scope.key not in str(cause)  # the engine hides parameters
-        for _ in range(3):
-            assert _claim(pg_store, scope, mode).record.scope == scope
-
-    @pytest.mark.parametrize("mode", ["durable", "atomic"])
-    def test_an_interrupted_claim_never_goes_back_to_the_pool(
-        self, pg_url: str, scope: Scope, mode: str
-    ) -> None:
-        # KeyboardInterrupt, or gunicorn's SystemExit on a worker timeout, after the claim was
-        # sent: the connection may still carry the claim's answer, so it is discarded.
-        class Interrupting(psycopg2.extensions.cursor):  # type: ignore[misc]
-            armed = True
-
-            def execute(self, query: str, *args: t.Any) -> t.Any:
-                result = super().execute(query, *args)
-                if Interrupting.armed and "FROM idempotency_claim" in query:
-                    Interrupting.armed = False
-                    raise KeyboardInterrupt
-                return result
-
-        engine = sa.create_engine(
-            normalize_url(pg_url), connect_args={"cursor_factory": Interrupting}
-        )
-        store = create_store(engine)
-        for variant in ("driver", "traced"):
-            if variant == "traced":
-                sa.event.listen(engine, "before_cursor_execute", lambda *_: None)
-            with engine.connect() as conn:
-                before = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
-            Interrupting.armed = True
-            with pytest.raises(KeyboardInterrupt):
-                _claim(store, scope, mode)
-            with engine.connect() as conn:
-                after = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
-            assert after != before, variant
-        engine.dispose()
-
-
-def _claim(store: SQLStore, scope: Scope, mode: str) -> t.Any:
-    """A durable claim, or an atomic one in a transaction rolled back at once."""
-    if mode == "durable":
-        return store.claim(scope, FP, ttl=60, lease=30)
-    connection = store.begin()
-    try:
-        return store.claim_atomic(connection, scope, FP, ttl=60)
-    finally:
-        connection.rollback()
-        connection.close()
-
-
-def _libpq_url(store: SQLStore) -> str:
-    return store.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def test_errors_never_carry_keys_or_tokens(db_url: str, scope: Scope) -> None:

@@ -342,6 +342,10 @@ def quiet_server_log(dbapi_connection: t.Any, _record: t.Any) -> None:
         with dbapi_connection.cursor() as cursor:
             cursor.execute(QUIET_LOG)
     except psycopg2.Error as exc:
+        if dbapi_connection.closed or isinstance(exc, psycopg2.OperationalError):
+            # The connection broke (a backend killed while the pool opened it, a silent
+            # server): the pool must not keep it, and the caller fails closed (503).
+            raise
         if not _warned:
             _warned = True
             log.warning(

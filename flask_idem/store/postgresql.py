@@ -161,10 +161,18 @@ PURGE_BATCH = 5000
 MAINTENANCE_LOCK_TIMEOUT = "200ms"
 
 
-def _traced(engine: sa.Engine) -> bool:
-    """Whether cursor listeners watch ``engine``'s statements (see ``PostgresStore._claim_row``)."""
+def _observed(engine: sa.Engine) -> bool:
+    """Whether anything watches ``engine``'s statements and their failures: cursor listeners
+    (tracing, statement counters), ``handle_error`` listeners (failover rules that mark more
+    errors as disconnects, error reporting), or statement logging (``echo``). Claims then go
+    through ``exec_driver_sql``, where all of them see it (see ``PostgresStore._driver_row``)."""
     dispatch = engine.dispatch
-    return bool(dispatch.before_cursor_execute or dispatch.after_cursor_execute)
+    return bool(
+        dispatch.before_cursor_execute
+        or dispatch.after_cursor_execute
+        or engine.dialect.dispatch.handle_error
+        or engine.logger.isEnabledFor(logging.INFO)
+    )
 
 
 @contextlib.contextmanager
@@ -239,12 +247,21 @@ class PostgresStore(SQLStore):
         with self.engine.connect() as connection:
             dbapi_connection = connection.connection.dbapi_connection
             assert dbapi_connection is not None
-            dbapi_connection.autocommit = True
+            previous = dbapi_connection.autocommit
+            try:
+                dbapi_connection.autocommit = True
+            except self.engine.dialect.loaded_dbapi.Error as exc:
+                # Closed, or in a transaction a checkout listener opened: fail closed (503).
+                if dbapi_connection.closed:
+                    connection.invalidate(exc)
+                raise self._wrapped(
+                    exc, None, None, invalidated=bool(dbapi_connection.closed)
+                ) from exc
             try:
                 yield connection
             finally:
                 if not dbapi_connection.closed:
-                    dbapi_connection.autocommit = False
+                    dbapi_connection.autocommit = previous
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         parameters = _claim_parameters(scope, fingerprint, ttl, lease)
@@ -253,7 +270,7 @@ class PostgresStore(SQLStore):
             statement = _CLAIM_AUDITED
             parameters.update(self._audit_values(scope, "claimed"))
         with _isolation_explained(), translate_errors():
-            if _traced(self.engine):
+            if _observed(self.engine):
                 with self.connect() as conn:
                     values = tuple(conn.exec_driver_sql(statement, parameters).one())
             else:
@@ -269,14 +286,7 @@ class PostgresStore(SQLStore):
         except self.engine.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, None, None, invalidated=False) from exc
         try:
-            dbapi_connection = pooled.dbapi_connection
-            assert dbapi_connection is not None
-            dbapi_connection.autocommit = True
-            try:
-                values = self._driver_row(pooled, None, statement, parameters)
-            finally:
-                if not dbapi_connection.closed:
-                    dbapi_connection.autocommit = False
+            values = self._driver_row(pooled, None, statement, parameters, autocommit=True)
         finally:
             pooled.close()
         if values is None:
@@ -289,6 +299,8 @@ class PostgresStore(SQLStore):
         owner: sa.Connection | None,
         statement: str,
         parameters: dict[str, t.Any],
+        *,
+        autocommit: bool = False,
     ) -> tuple[t.Any, ...] | None:
         """The first row of ``statement``, through the driver's cursor of ``pooled`` (a
         pooled connection, checked out by ``owner`` when it is a ``Connection``'s).
@@ -300,17 +312,27 @@ class PostgresStore(SQLStore):
         exception for it (``DBAPIError.instance``, parameters hidden as the engine says), a
         disconnect invalidates the whole pool (every connection older than it is replaced),
         and an interrupted statement (``SystemExit`` from a worker timeout) its connection, so
-        the pool never hands a dead or half-read connection out again. Cursor listeners
-        (tracing, statement counters) see claims through ``exec_driver_sql`` instead
-        (:func:`_traced`).
+        the pool never hands a dead or half-read connection out again. Whatever watches the
+        engine (cursor and ``handle_error`` listeners, ``echo``) gets the claims through
+        ``exec_driver_sql`` instead (:func:`_observed`).
         """
         dbapi_connection = pooled.dbapi_connection
         cursor = None
         try:
-            cursor = dbapi_connection.cursor()
-            cursor.execute(statement, parameters)
-            values = cursor.fetchone()
-            cursor.close()
+            # ``autocommit``: the statement is its own transaction (the flag is flipped on the
+            # driver and put back as it was, even on a connection the application's engine
+            # keeps in autocommit; a closed connection or an open transaction fails here).
+            previous = dbapi_connection.autocommit
+            if autocommit:
+                dbapi_connection.autocommit = True
+            try:
+                cursor = dbapi_connection.cursor()
+                cursor.execute(statement, parameters)
+                values = cursor.fetchone()
+                cursor.close()
+            finally:
+                if autocommit and not dbapi_connection.closed:
+                    dbapi_connection.autocommit = previous
         except BaseException as exc:
             interrupted = not isinstance(exc, Exception)
             invalidated = interrupted or (
@@ -386,7 +408,7 @@ class PostgresStore(SQLStore):
         self, connection: sa.Connection, statement: str, parameters: dict[str, t.Any]
     ) -> tuple[t.Any, ...] | None:
         """The first row of an atomic claim's statement, in the business transaction."""
-        if _traced(self.engine):
+        if _observed(self.engine):
             row = connection.exec_driver_sql(statement, parameters).first()
             return None if row is None else tuple(row)
         return self._driver_row(connection.connection, connection, statement, parameters)
