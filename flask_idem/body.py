@@ -40,8 +40,10 @@ def read_body(request: Request, limit: int) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limit:
         raise _too_large(limit)
-    if "form" in request.__dict__ and getattr(request, "_cached_data", None) is None:
-        parsed = _parsed_form(request, limit)
+    if "form" in request.__dict__ and not getattr(request, "_cached_data", None):
+        # Parsed as a form before the claim, and no bytes kept (none at all, or the b"" a
+        # get_data() after the form read from the spent stream).
+        parsed = _parsed_form(request)
         if parsed is not None:
             return parsed
     if declared is not None or "stream" in request.__dict__:
@@ -72,21 +74,21 @@ def read_body(request: Request, limit: int) -> bytes:
     return request.get_data(cache=True)
 
 
-def _parsed_form(request: Request, limit: int) -> bytes | None:
+def _parsed_form(request: Request) -> bytes | None:
     """The body of a form that was parsed before the claim, or None if none was.
 
     CSRF protection (Flask-WTF) and signature checks read ``request.form`` in a
     ``before_request`` hook. werkzeug then keeps the fields, not the bytes, and the stream is
-    spent. A URL-encoded form is encoded again from its fields: the fingerprint reads it as the
-    same pairs, so a retry replays and another form is 422. A multipart form cannot be
-    rebuilt byte for byte (its files and boundary): it is refused before any claim, never
-    fingerprinted as an empty body.
+    spent. A URL-encoded form is encoded again from its fields: the fingerprint reads a valid
+    form as the same pairs, so a retry replays and another form is 422. (A form werkzeug
+    repaired, with invalid UTF-8 or percent escapes, is fingerprinted as it was repaired, not
+    byte for byte as without the hook.) The bytes were already read, within the declared
+    length the caller checked, so the rebuilt body, longer where it escapes characters, is not
+    held to the limit. A multipart form cannot be rebuilt byte for byte (its files and
+    boundary): it is refused before any claim, never fingerprinted as an empty body.
     """
     if request.mimetype == "application/x-www-form-urlencoded":
-        body = urllib.parse.urlencode(list(request.form.items(multi=True))).encode()
-        if len(body) > limit:
-            raise _too_large(limit)
-        return body
+        return urllib.parse.urlencode(list(request.form.items(multi=True))).encode()
     if request.mimetype == "multipart/form-data":
         log.error(
             "a multipart body was parsed before the idempotency claim (request.form or "
