@@ -175,6 +175,26 @@ def _observed(engine: sa.Engine) -> bool:
     )
 
 
+class _Autocommit:
+    """The driver's autocommit flag on for a block, then back as it was: SQLAlchemy's
+    ``AUTOCOMMIT`` isolation level would cost a round trip (``SET
+    default_transaction_isolation``) when the connection returns to the pool, and an
+    application's engine kept in autocommit stays so."""
+
+    __slots__ = ("connection", "previous")
+
+    def __init__(self, dbapi_connection: t.Any) -> None:
+        self.connection = dbapi_connection
+
+    def __enter__(self) -> None:
+        self.previous = self.connection.autocommit
+        self.connection.autocommit = True
+
+    def __exit__(self, *_exc: object) -> None:
+        if not self.connection.closed:
+            self.connection.autocommit = self.previous
+
+
 @contextlib.contextmanager
 def _isolation_explained() -> t.Iterator[None]:
     """Say why a claim refused to run, in the log: the 503 alone reads like an outage."""
@@ -238,30 +258,22 @@ class PostgresStore(SQLStore):
 
     @contextlib.contextmanager
     def connect(self) -> t.Iterator[sa.Connection]:
-        """A pooled connection in autocommit: no BEGIN/COMMIT round trips around a primitive.
-
-        The driver's autocommit flag is flipped directly: SQLAlchemy's ``AUTOCOMMIT`` isolation
-        level would cost one more round trip (``SET default_transaction_isolation``) when the
-        connection returns to the pool.
-        """
+        """A pooled connection in autocommit (:class:`_Autocommit`): no BEGIN/COMMIT round
+        trips around a primitive."""
         with self.engine.connect() as connection:
             dbapi_connection = connection.connection.dbapi_connection
             assert dbapi_connection is not None
-            previous = dbapi_connection.autocommit
             try:
-                dbapi_connection.autocommit = True
+                with _Autocommit(dbapi_connection):
+                    yield connection
             except self.engine.dialect.loaded_dbapi.Error as exc:
-                # Closed, or in a transaction a checkout listener opened: fail closed (503).
+                # A driver error, not SQLAlchemy's: the flag could not be switched (closed, or
+                # in a transaction a checkout listener opened). Fail closed (503).
                 if dbapi_connection.closed:
                     connection.invalidate(exc)
                 raise self._wrapped(
                     exc, None, None, invalidated=bool(dbapi_connection.closed)
                 ) from exc
-            try:
-                yield connection
-            finally:
-                if not dbapi_connection.closed:
-                    dbapi_connection.autocommit = previous
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         parameters = _claim_parameters(scope, fingerprint, ttl, lease)
@@ -319,20 +331,13 @@ class PostgresStore(SQLStore):
         dbapi_connection = pooled.dbapi_connection
         cursor = None
         try:
-            # ``autocommit``: the statement is its own transaction (the flag is flipped on the
-            # driver and put back as it was, even on a connection the application's engine
-            # keeps in autocommit; a closed connection or an open transaction fails here).
-            previous = dbapi_connection.autocommit
-            if autocommit:
-                dbapi_connection.autocommit = True
-            try:
+            # ``autocommit``: the statement is its own transaction (a closed connection or an
+            # open transaction fails when the flag is switched).
+            with _Autocommit(dbapi_connection) if autocommit else contextlib.nullcontext():
                 cursor = dbapi_connection.cursor()
                 cursor.execute(statement, parameters)
                 values = cursor.fetchone()
                 cursor.close()
-            finally:
-                if autocommit and not dbapi_connection.closed:
-                    dbapi_connection.autocommit = previous
         except BaseException as exc:
             interrupted = not isinstance(exc, Exception)
             invalidated = interrupted or (
