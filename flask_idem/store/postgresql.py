@@ -63,6 +63,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import operator
 import typing as t
 
 import sqlalchemy as sa
@@ -165,7 +166,7 @@ def _observed(engine: sa.Engine) -> bool:
     """Whether anything watches ``engine``'s statements and their failures: cursor listeners
     (tracing, statement counters), ``handle_error`` listeners (failover rules that mark more
     errors as disconnects, error reporting), or statement logging (``echo``). Claims then go
-    through ``exec_driver_sql``, where all of them see it (see ``PostgresStore._driver_row``)."""
+    through ``exec_driver_sql``, where all of them see it (see ``PostgresStore._on_cursor``)."""
     dispatch = engine.dispatch
     return bool(
         dispatch.before_cursor_execute
@@ -173,6 +174,10 @@ def _observed(engine: sa.Engine) -> bool:
         or engine.dialect.dispatch.handle_error
         or engine.logger.isEnabledFor(logging.INFO)
     )
+
+
+_first_row = operator.methodcaller("fetchone")
+_row_count = operator.attrgetter("rowcount")
 
 
 class _Autocommit:
@@ -291,30 +296,54 @@ class PostgresStore(SQLStore):
         return ClaimResult(build_record(scope, self.sealer, *columns), claimed=bool(claimed))
 
     def _claim_row(self, statement: str, parameters: dict[str, t.Any]) -> tuple[t.Any, ...]:
-        """The claim's row on a pooled connection in autocommit, through the driver's cursor
-        (:meth:`_driver_row`)."""
+        """The claim's row, through the driver's cursor (:meth:`_on_cursor`)."""
+        values = self._autocommitted(statement, parameters, _first_row)
+        if values is None:
+            raise sa.exc.NoResultFound("the claim returned no row")
+        return t.cast("tuple[t.Any, ...]", values)
+
+    def _send(
+        self,
+        statement: Precompiled,
+        parameters: dict[str, t.Any],
+        connection: sa.Connection | None,
+    ) -> int:
+        """A precompiled write (the completion, a release) through the driver's cursor, in
+        ``connection``'s transaction or on its own: SQLAlchemy's execution of it was a tenth
+        of a new key's Python calls, for a statement whose row count is all that is read."""
+        if _observed(self.engine):
+            return super()._send(statement, parameters, connection)
+        with translate_errors():
+            bound = statement.parameters(parameters)
+            if connection is None:
+                return t.cast(int, self._autocommitted(statement.sql, bound, _row_count))
+            pooled = connection.connection
+            return t.cast(int, self._on_cursor(pooled, connection, statement.sql, bound, _row_count))
+
+    def _autocommitted(
+        self, statement: str, parameters: t.Any, read: t.Callable[[t.Any], t.Any]
+    ) -> t.Any:
+        """``read`` of ``statement`` on a pooled connection in autocommit (:meth:`_on_cursor`)."""
         try:
             pooled = self.engine.raw_connection()
         except self.engine.dialect.loaded_dbapi.Error as exc:
             raise self._wrapped(exc, None, None, invalidated=False) from exc
         try:
-            values = self._driver_row(pooled, None, statement, parameters, autocommit=True)
+            return self._on_cursor(pooled, None, statement, parameters, read, autocommit=True)
         finally:
             pooled.close()
-        if values is None:
-            raise sa.exc.NoResultFound("the claim returned no row")
-        return values
 
-    def _driver_row(
+    def _on_cursor(
         self,
         pooled: t.Any,
         owner: sa.Connection | None,
         statement: str,
-        parameters: dict[str, t.Any],
+        parameters: t.Any,
+        read: t.Callable[[t.Any], t.Any],
         *,
         autocommit: bool = False,
-    ) -> tuple[t.Any, ...] | None:
-        """The first row of ``statement``, through the driver's cursor of ``pooled`` (a
+    ) -> t.Any:
+        """``read(cursor)`` after ``statement``, on the driver's cursor of ``pooled`` (a
         pooled connection, checked out by ``owner`` when it is a ``Connection``'s).
 
         A claim is one statement, and SQLAlchemy's result machinery (column metadata for
@@ -325,7 +354,7 @@ class PostgresStore(SQLStore):
         disconnect invalidates the whole pool (every connection older than it is replaced),
         and an interrupted statement (``SystemExit`` from a worker timeout) its connection, so
         the pool never hands a dead or half-read connection out again. Whatever watches the
-        engine (cursor and ``handle_error`` listeners, ``echo``) gets the claims through
+        engine (cursor and ``handle_error`` listeners, ``echo``) gets these statements through
         ``exec_driver_sql`` instead (:func:`_observed`).
         """
         dbapi_connection = pooled.dbapi_connection
@@ -336,7 +365,7 @@ class PostgresStore(SQLStore):
             with _Autocommit(dbapi_connection) if autocommit else contextlib.nullcontext():
                 cursor = dbapi_connection.cursor()
                 cursor.execute(statement, parameters)
-                values = cursor.fetchone()
+                result = read(cursor)
                 cursor.close()
         except BaseException as exc:
             interrupted = not isinstance(exc, Exception)
@@ -353,7 +382,7 @@ class PostgresStore(SQLStore):
             if interrupted:
                 raise
             raise self._wrapped(exc, statement, parameters, invalidated=invalidated) from exc
-        return t.cast("tuple[t.Any, ...] | None", values)
+        return result
 
     def _wrapped(
         self,
@@ -416,7 +445,11 @@ class PostgresStore(SQLStore):
         if _observed(self.engine):
             row = connection.exec_driver_sql(statement, parameters).first()
             return None if row is None else tuple(row)
-        return self._driver_row(connection.connection, connection, statement, parameters)
+        pooled = connection.connection
+        return t.cast(
+            "tuple[t.Any, ...] | None",
+            self._on_cursor(pooled, connection, statement, parameters, _first_row),
+        )
 
     @functools.cached_property
     def _insert_completed_statement(self) -> Precompiled:

@@ -287,7 +287,7 @@ class SQLStore(Store):
         """
         if isinstance(statement, Precompiled):
             if not returning and not self.audit:
-                return self._execute(statement, parameters, connection)
+                return Outcome([], self._send(statement, parameters, connection))
             statement = statement.statement
         if returning:
             statement = statement.returning(*(table.c[name] for name in returning))
@@ -302,6 +302,16 @@ class SQLStore(Store):
                 return self._audited(connection, statement, {**parameters, **values}, deleted)
             with self.connect() as conn:
                 return self._audited(conn, statement, {**parameters, **values}, deleted)
+
+    def _send(
+        self,
+        statement: Precompiled,
+        parameters: dict[str, t.Any],
+        connection: sa.Connection | None,
+    ) -> int:
+        """Run a precompiled write as it is; its row count (PostgreSQL: on the driver's
+        cursor, see ``PostgresStore._send``)."""
+        return self._execute(statement, parameters, connection).rowcount
 
     @abc.abstractmethod
     def _audited(
@@ -706,11 +716,18 @@ class Precompiled:
                 self._constants[name] = value if processor is None else processor(value)
 
     def parameters(self, values: t.Mapping[str, t.Any]) -> t.Any:
-        """The driver's parameters for ``values`` (keyed as the statement's bind names)."""
+        """The driver's parameters for ``values`` (keyed as the statement's bind names).
+
+        :raises sqlalchemy.exc.StatementError: a bind processor failed (as SQLAlchemy reports
+            it: the store fails closed on it).
+        """
         bound = dict(self._constants)
-        for name, key, processor in self._bound:
-            value = values[key]
-            bound[name] = value if processor is None else processor(value)
+        try:
+            for name, key, processor in self._bound:
+                value = values[key]
+                bound[name] = value if processor is None else processor(value)
+        except Exception as exc:
+            raise sa.exc.StatementError(str(exc), self.sql, None, exc) from exc
         if self._order is None:
             return bound
         return tuple(bound[name] for name in self._order)
@@ -722,12 +739,7 @@ def _run(
     parameters: dict[str, t.Any] | None,
 ) -> sa.CursorResult[t.Any]:
     if isinstance(statement, Precompiled):
-        try:
-            bound = statement.parameters(parameters or {})
-        except Exception as exc:
-            # As SQLAlchemy reports a failing bind processor: the store fails closed on it.
-            raise sa.exc.StatementError(str(exc), statement.sql, None, exc) from exc
-        return connection.exec_driver_sql(statement.sql, bound)
+        return connection.exec_driver_sql(statement.sql, statement.parameters(parameters or {}))
     return connection.execute(statement, parameters)
 
 
