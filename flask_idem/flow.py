@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import time
 import typing as t
@@ -135,9 +136,12 @@ def guard(view: t.Callable[P, R], options: ViewOptions | None = None) -> t.Calla
     for exceptions raised around it.
     """
 
+    # Flask's ensure_sync returns a plain function as it is: asked once, not per request.
+    asynchronous = inspect.iscoroutinefunction(view)
+
     @functools.wraps(view)
     def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
-        return t.cast(R, enter(view, args, kwargs, options))
+        return t.cast(R, enter(view, args, kwargs, options, asynchronous=asynchronous))
 
     setattr(guarded, GUARD_ATTRIBUTE, guarded)
     return guarded
@@ -175,10 +179,15 @@ def find_guard(view: t.Any, method: str) -> t.Any:
 
 
 def enter(
-    view: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any, declared: ViewOptions | None
+    view: t.Callable[..., t.Any],
+    args: t.Any,
+    kwargs: t.Any,
+    declared: ViewOptions | None,
+    *,
+    asynchronous: bool,
 ) -> ResponseReturnValue:
     app_state = AppState.current()
-    call = current_app.ensure_sync(view)
+    call = current_app.ensure_sync(view) if asynchronous else view
     state = RequestState.current()
     if state is not None and state.scope is not None:
         return run(call, args, kwargs)  # claimed already, by an outer guard
@@ -449,7 +458,7 @@ def _fingerprint(req: Request, options: ViewOptions, body: bytes) -> bytes:
         req.method,
         req.url_rule.rule,
         req.view_args or {},
-        req.args.items(multi=True),
+        req.args.items(multi=True) if req.query_string else (),
         body,
         req.content_type,
         exclude=options.exclude,
@@ -513,22 +522,23 @@ def response_snapshot(settings: Settings, response: Response) -> StoredResponse 
     """
     if response.direct_passthrough:
         return None
-    length = response.content_length
-    if response.is_streamed and (length is None or length > settings.max_body):
-        return None
+    if response.is_streamed:
+        length = response.content_length
+        if length is None or length > settings.max_body:
+            return None
     body = response.get_data()
     if len(body) > settings.max_body:
         return None
-    headers = tuple(
-        (name, value)
-        for name, value in response.headers.items()
-        if name.lower() in settings.stored_headers
-    )
-    if any("\x00" in value for _, value in headers):
-        # No database stores a NUL in JSON text (PostgreSQL's jsonb refuses it, and would log
-        # the header in its error context): such an answer is marked unstored instead.
-        return None
-    return StoredResponse(response.status_code, headers, body)
+    stored = settings.stored_headers
+    headers = []
+    for name, value in response.headers.to_wsgi_list():
+        if name.lower() in stored:
+            if "\x00" in value:
+                # No database stores a NUL in JSON text (PostgreSQL's jsonb refuses it, and
+                # would log the header in its error context): the answer is marked unstored.
+                return None
+            headers.append((name, value))
+    return StoredResponse(response.status_code, tuple(headers), body)
 
 
 def _complete(app_state: AppState, state: RequestState, response: Response) -> Response:

@@ -62,10 +62,17 @@ def header_values(headers: t.Any, name: str) -> t.Sequence[str]:
     would read differently from ``getlist`` (an ``_``, which the environ spells as ``-``;
     ``Content-Type`` and ``Content-Length``, which servers set empty when absent) keep the walk.
     """
-    if isinstance(headers, EnvironHeaders) and not _SPECIAL_NAME.search(name):
+    if isinstance(headers, EnvironHeaders) and _environ_readable(name):
         value = headers.get(name)
         return () if value is None else (value,)
     return t.cast(t.Sequence[str], headers.getlist(name))
+
+
+@functools.lru_cache(maxsize=64)
+def _environ_readable(name: str) -> bool:
+    """Whether the environ lookup reads header ``name`` as ``getlist`` does (the configured
+    names, asked on every protected request)."""
+    return not _SPECIAL_NAME.search(name)
 
 
 def echo_of_invalid(headers: t.Any, names: t.Sequence[str]) -> str | None:
