@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -39,12 +40,12 @@ def test_a_call_answered_in_time_is_untouched() -> None:
     watchdog = Watchdog()
     ours, peer = socket.socketpair()
     with ours, peer:
-        for _ in range(2000):  # many short calls: the heap is rebuilt, never shuts anything
+        for _ in range(2000):  # many short calls: none is ever shut down
             token = watchdog.arm(ours.fileno(), 0.2)
             peer.send(b"x")
             assert ours.recv(1) == b"x"
             assert watchdog.disarm(token) is False
-        assert len(watchdog._heap) <= 2 * len(watchdog._armed) + watchdog.slack
+        assert not watchdog._armed, "every disarmed call left no entry behind"
         time.sleep(0.5)  # every deadline has passed by now: all were disarmed in time
         peer.send(b"y")
         assert ours.recv(1) == b"y"
@@ -81,3 +82,48 @@ def test_a_forked_child_gets_its_own_watchdog_thread() -> None:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_sleeping_watchdog_is_woken_by_the_next_call() -> None:
+    watchdog = Watchdog()
+    watchdog.idle_after = 0.1
+    ours, silent = socket.socketpair()
+    with ours, silent:
+        watchdog.disarm(watchdog.arm(ours.fileno(), 5))  # starts the thread
+        deadline = time.monotonic() + 5
+        while not watchdog._sleeping:  # nothing armed: the thread stops looking
+            assert time.monotonic() < deadline, "the idle thread never went to sleep"
+            time.sleep(0.02)
+        started = time.monotonic()
+        data, fired = _recv_blocked(ours, watchdog, 0.3)
+        assert (data, fired) == (b"", True), "the sleeping thread was woken and acted"
+        assert time.monotonic() - started < 0.3 + 1.5
+
+
+def test_calls_armed_from_many_threads_are_each_cut_off_or_untouched() -> None:
+    """Arms and disarms without a lock, from threads racing the watchdog's thread: each late
+    call is cut off exactly once, and no call answered in time ever is."""
+    watchdog = Watchdog()
+    results: list[tuple[str, bool, bytes]] = []
+
+    def call(late: bool) -> None:
+        ours, peer = socket.socketpair()
+        with ours, peer:
+            ours.settimeout(10)
+            for _ in range(3 if late else 300):
+                token = watchdog.arm(ours.fileno(), 0.2 if late else 30)
+                if not late:
+                    peer.send(b"x")
+                data = ours.recv(1)
+                results.append(("late" if late else "quick", watchdog.disarm(token), data))
+                if late:
+                    break
+
+    threads = [threading.Thread(target=call, args=(n % 4 == 0,)) for n in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(set(results)) == [("late", True, b""), ("quick", False, b"x")]
+    assert sum(kind == "late" for kind, _, _ in results) == 4
+    assert not watchdog._armed

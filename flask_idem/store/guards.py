@@ -41,10 +41,8 @@ Server log (PostgreSQL)
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import logging
-import math
 import os
 import socket
 import threading
@@ -147,21 +145,23 @@ def _shut_down(fd: int) -> None:
 
 
 class Watchdog:
-    """Gives blocked libpq calls an end: one daemon thread per process, a heap of deadlines.
+    """Gives blocked libpq calls an end: one daemon thread per process, a dict of deadlines.
 
-    :meth:`arm` before a call that waits for the server, :meth:`disarm` after it: a lock, a
-    dict entry and a heap push (a microsecond or two, no system call, nothing for the garbage
-    collector to track). The thread sleeps until the earliest deadline; an entry disarmed by
-    then is skipped, one still armed has its socket shut down, under the lock: once
-    :meth:`disarm` returned, the thread never touches that descriptor again (so it cannot act
-    on a descriptor closed and reused meanwhile). The heap is rebuilt from the armed entries
-    when disarmed ones pile up, so it stays small whatever the call rate.
+    :meth:`arm` before a call that waits for the server, :meth:`disarm` after it: a clock
+    read, a dict entry in and out, no lock and nothing for the garbage collector to track.
+    The thread looks at the armed entries every :attr:`granularity` seconds and shuts the
+    socket of an entry past its deadline down. An entry is taken out of the dict exactly once
+    (``dict.pop`` is atomic): by :meth:`disarm`, and the thread then leaves it alone, or by the
+    thread, which shuts its socket down under its lock; :meth:`disarm` then finds it gone and
+    waits for that lock, so once it returned the thread never touches that descriptor again
+    (it cannot act on a descriptor closed and reused meanwhile). With nothing armed for
+    :attr:`idle_after` seconds the thread sleeps until the next :meth:`arm` wakes it.
     """
 
-    #: The thread sleeps at least this long between two looks at the heap (seconds).
+    #: Seconds between two looks at the armed calls (a deadline is acted on this late at most).
     granularity = 0.05
-    #: Heap entries (mostly disarmed) tolerated beyond twice the armed ones.
-    slack = 1024
+    #: Seconds without any armed call after which the thread stops looking until woken.
+    idle_after = 1.0
 
     def __init__(self) -> None:
         self._reset()
@@ -169,40 +169,36 @@ class Watchdog:
 
     def _reset(self) -> None:
         # Also in a forked child: the parent's thread is gone and its lock may be held.
-        self._lock = threading.Lock()  # taken directly on the hot path (C, not Python)
+        self._lock = threading.Lock()
         self._condition = threading.Condition(self._lock)
         self._armed: dict[int, tuple[int, float]] = {}  # token: (descriptor, deadline)
-        self._heap: list[tuple[float, int]] = []  # (deadline, token)
-        self._order = itertools.count()
-        self._rebuild_at = self.slack
-        self._wake_at = math.inf
+        self._tokens = itertools.count().__next__
+        self._sleeping = True
         self._started = False
 
     def arm(self, fd: int, budget: float) -> int:
         """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds."""
-        deadline = time.monotonic() + budget
-        with self._lock:
-            if not self._started:
-                self._start()
-            token = next(self._order)
-            self._armed[token] = (fd, deadline)
-            heap = self._heap
-            if len(heap) < self._rebuild_at:
-                heapq.heappush(heap, (deadline, token))
-            else:
-                heap[:] = [(end, key) for key, (_fd, end) in self._armed.items()]
-                heapq.heapify(heap)
-                self._rebuild_at = 2 * len(heap) + self.slack
-            # Wake the thread only if it would look too late (when idle; usually it would not).
-            if deadline < self._wake_at:
-                self._wake_at = deadline
-                self._condition.notify()
+        token = self._tokens()
+        self._armed[token] = (fd, time.monotonic() + budget)
+        # Read after the entry is in: the thread re-checks the entries after it says it
+        # sleeps, so either it sees this one or this call sees it asleep and wakes it.
+        if self._sleeping:
+            self._wake()
         return token
 
     def disarm(self, token: int) -> bool:
         """Stop watching; True if the deadline had passed (the socket is shut down)."""
-        with self._lock:
-            return self._armed.pop(token, None) is None
+        if self._armed.pop(token, None) is not None:
+            return False
+        with self._lock:  # the thread took it: wait until it is done with the descriptor
+            return True
+
+    def _wake(self) -> None:
+        with self._condition:
+            if not self._started:
+                self._start()
+            self._sleeping = False
+            self._condition.notify()
 
     def _start(self) -> None:
         try:
@@ -212,23 +208,27 @@ class Watchdog:
         self._started = True
 
     def _run(self) -> None:
-        condition, heap, armed = self._condition, self._heap, self._armed
-        with condition:
-            while True:
-                now = time.monotonic()
-                while heap:
-                    deadline, token = heap[0]
-                    if token in armed:
-                        if deadline > now:
-                            break
-                        _shut_down(armed.pop(token)[0])
-                    heapq.heappop(heap)
-                if heap:
-                    self._wake_at = max(heap[0][0], now + self.granularity)
-                    condition.wait(self._wake_at - now)
-                else:
-                    self._wake_at = math.inf
-                    condition.wait()
+        armed, condition = self._armed, self._condition
+        idle_since = time.monotonic()
+        while True:
+            time.sleep(self.granularity)
+            now = time.monotonic()
+            if not armed:
+                if now - idle_since < self.idle_after:
+                    continue
+                with condition:
+                    self._sleeping = True
+                    while not armed:  # an arm after this check finds the thread asleep
+                        condition.wait()
+                    self._sleeping = False
+                idle_since = time.monotonic()
+                continue
+            idle_since = now
+            for token, (fd, deadline) in list(armed.items()):
+                if deadline <= now:
+                    with self._lock:
+                        if armed.pop(token, None) is not None:
+                            _shut_down(fd)
 
 
 #: The process's watchdog (its thread starts on the first armed call).
