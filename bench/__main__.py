@@ -1,11 +1,12 @@
 """``python -m bench [run] [--quick]``, ``python -m bench growth``, ``python -m bench sealing``,
-``python -m bench profile``, ``python -m bench report``.
+``python -m bench profile``, ``python -m bench instructions``, ``python -m bench report``.
 
 ``run`` (the default) is ``make bench``; ``--quick`` is ``make bench-quick``. ``growth`` fills
 the table to millions of records and times the claim and partition expiry. ``sealing``
 measures compression and encryption of stored responses, on and off (``make bench
 BENCH_MODE=sealing``). ``profile`` shows where one request's CPU and SQL time go, per app
-(:mod:`bench.profile`). ``report FILE`` re-prints a results file, ``--markdown`` as the table
+(:mod:`bench.profile`). ``instructions`` counts each app's CPU instructions per request under
+valgrind, the same on every run (:mod:`bench.instructions`). ``report FILE`` re-prints a results file, ``--markdown`` as the table
 for README.
 """
 
@@ -58,6 +59,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     prof = commands.add_parser("profile", help="CPU and SQL time per request, per app (cProfile)")
     prof.add_argument("--requests", type=int, default=1_000, help="requests per app and scenario")
     prof.add_argument("--apps", type=lambda text: tuple(text.split(",")), default=())
+    counted = commands.add_parser(
+        "instructions", help="app instructions per request, per app (valgrind; deterministic)"
+    )
+    counted.add_argument("--requests", type=int, default=100, help="requests per app and scenario")
+    counted.add_argument("--apps", type=lambda text: tuple(text.split(",")), default=())
+    counted.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     trail = commands.add_parser("trail", help="the audit trail (IDEMPOTENCY_AUDIT) on and off")
     trail.add_argument("--quick", action="store_true", help="fewer operations (< 1 minute)")
     trail.add_argument("--output", type=Path)
@@ -71,6 +78,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "growth",
         "sealing",
         "profile",
+        "instructions",
         "trail",
         "report",
         "-h",
@@ -105,6 +113,13 @@ def main(argv: list[str]) -> int:
         from . import profile
 
         profile.run(args.requests, args.apps)
+        return 0
+    if args.command == "instructions":
+        from . import instructions
+
+        if args.child:
+            instructions.child_main(args.child)
+        instructions.run(args.requests, args.apps)
         return 0
     if args.command == "trail":
         from . import trail as trail_bench
