@@ -117,7 +117,13 @@ class Idempotency:
         if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(store, settings.partitions_ahead)
         app.extensions[EXTENSION_NAME] = AppState(
-            self, settings, store, LeaseKeeper(store), sessions=sessions
+            self,
+            settings,
+            store,
+            LeaseKeeper(store),
+            sessions=sessions,
+            plain_ensure_sync=type(app).ensure_sync is Flask.ensure_sync
+            and "ensure_sync" not in vars(app),
         )
         app.cli.add_command(idem_group)
         if settings.blueprint_prefix is not None:

@@ -136,7 +136,7 @@ def guard(view: t.Callable[P, R], options: ViewOptions | None = None) -> t.Calla
     for exceptions raised around it.
     """
 
-    # Flask's ensure_sync returns a plain function as it is: asked once, not per request.
+    # Flask's own ensure_sync returns a plain function as it is: asked once, not per request.
     asynchronous = inspect.iscoroutinefunction(view)
 
     @functools.wraps(view)
@@ -187,7 +187,8 @@ def enter(
     asynchronous: bool,
 ) -> ResponseReturnValue:
     app_state = AppState.current()
-    call = current_app.ensure_sync(view) if asynchronous else view
+    plain = not asynchronous and app_state.plain_ensure_sync
+    call = view if plain else current_app.ensure_sync(view)
     state = RequestState.current()
     if state is not None and state.scope is not None:
         return run(call, args, kwargs)  # claimed already, by an outer guard

@@ -51,6 +51,9 @@ class AppState:
     #: The application's Flask-SQLAlchemy session (``Idempotency(db=...)``): the business
     #: transaction of every protected request, None for the store's own connections.
     sessions: SessionSource | None = None
+    #: The application keeps Flask's own ``ensure_sync`` (which returns a plain function as
+    #: it is), so a guard may skip asking it for a view that is not a coroutine function.
+    plain_ensure_sync: bool = True
 
     def begin(self, state: RequestState) -> sa.Connection:
         """The request's business transaction, opened on first use: the connection of the

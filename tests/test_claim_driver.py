@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import typing as t
 import warnings
 
@@ -428,3 +429,55 @@ def test_a_backend_killed_while_the_pool_connects(
         engine.dispose()
     assert not [o for o in outcomes if o.startswith("500")], outcomes
     assert outcomes[-1] == "ok", outcomes
+
+
+@pytest.mark.parametrize("ending", ["commit", "rollback"])
+def test_a_view_that_ends_its_own_transaction_still_completes(
+    pg_url: str, path: str, ending: str
+) -> None:
+    """A durable view that commits (or rolls back) idem.connection() itself as its last step
+    (SQLAlchemy 2.0's commit as you go): the completion then runs in the transaction
+    SQLAlchemy begins next, and commits. On the driver's cursor it once ran in a transaction
+    SQLAlchemy did not know of, which the pool rolled back: the record stayed in progress, and
+    a ``recovery="reexecute"`` retry charged again."""
+    from flask import Flask
+
+    from flask_idem import Idempotency
+
+    engine = create_engine(pg_url)
+    _store(engine)
+    _trace(engine, path)
+    ledger = sa.Table("driver_ledger", sa.MetaData(), sa.Column("note", sa.String(32)))
+    ledger.metadata.drop_all(engine)
+    ledger.metadata.create_all(engine)
+    app = Flask("ends-its-own")
+    app.config.update(IDEMPOTENCY_ENGINE=engine, IDEMPOTENCY_LEASE=1)
+    idem = Idempotency(app, tenant=lambda: "t")
+    calls: list[int] = []
+
+    @app.post("/pay")
+    @idem.idempotent(recovery="reexecute")
+    def pay() -> tuple[dict[str, int], int]:
+        calls.append(1)
+        conn = idem.connection()
+        conn.execute(ledger.insert().values(note=f"charge {len(calls)}"))
+        getattr(conn, ending)()
+        return {"charge": len(calls)}, 201
+
+    client = app.test_client()
+    try:
+        first = client.post("/pay", json={}, headers={"Idempotency-Key": f"own-{ending}"})
+        assert first.status_code == 201
+        with engine.connect() as conn:
+            state = conn.exec_driver_sql("SELECT state FROM idempotency_keys").scalar_one()
+        assert state == "completed", f"{path}/{ending}: the completion was lost"
+        time.sleep(1.2)  # past the lease: an in-progress record would be taken over
+        retry = client.post("/pay", json={}, headers={"Idempotency-Key": f"own-{ending}"})
+        assert retry.headers.get("Idempotent-Replayed") == "true"
+        assert retry.get_json() == {"charge": 1} and calls == [1]
+        with engine.connect() as conn:
+            rows = conn.execute(sa.select(sa.func.count()).select_from(ledger)).scalar_one()
+        assert rows == (1 if ending == "commit" else 0)
+    finally:
+        ledger.metadata.drop_all(engine)
+        engine.dispose()

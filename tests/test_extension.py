@@ -226,6 +226,33 @@ def test_async_views_are_supported(store: SQLStore) -> None:
     assert _protected(app, "/async")
 
 
+def test_an_applications_own_ensure_sync_still_wraps_protected_views(store: SQLStore) -> None:
+    """The guard skips Flask's ensure_sync for plain views (it returns them as they are), but
+    not an application's override of it, on the class or the instance."""
+    wrapped: list[str] = []
+
+    def counted(app: flask.Flask, func: t.Callable[..., t.Any]) -> t.Callable[..., t.Any]:
+        wrapped.append(getattr(func, "__name__", "?"))
+        return flask.Flask.ensure_sync(app, func)
+
+    class App(flask.Flask):
+        ensure_sync = counted
+
+    on_instance = _app()
+    on_instance.ensure_sync = lambda func: counted(on_instance, func)  # type: ignore[method-assign]
+    for app in (App("own-ensure-sync"), on_instance):
+        idem = Idempotency(app, store=store, tenant=lambda: "t")
+
+        @app.post("/sync")
+        @idem.idempotent
+        def sync_view() -> tuple[str, int]:
+            return "done", 201
+
+        wrapped.clear()
+        assert app.test_client().post("/sync", headers={"Idempotency-Key": "k1"}).status_code == 201
+        assert wrapped.count("sync_view") == 2, wrapped  # Flask's dispatch, then the guard's
+
+
 def test_application_500_handler_wins(store: SQLStore) -> None:
     app = _app(PROPAGATE_EXCEPTIONS=False)
 

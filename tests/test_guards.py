@@ -127,3 +127,22 @@ def test_calls_armed_from_many_threads_are_each_cut_off_or_untouched() -> None:
     assert sorted(set(results)) == [("late", True, b""), ("quick", False, b"x")]
     assert sum(kind == "late" for kind, _, _ in results) == 4
     assert not watchdog._armed
+
+
+def test_a_call_ended_before_the_woken_watchdog_looked_leaves_it_wakeable() -> None:
+    """A short call wakes the sleeping thread and is disarmed before the thread looks: the
+    thread sleeps on, and the next call must still wake it (it once stayed asleep for good)."""
+    watchdog = Watchdog()
+    watchdog.idle_after = 0.1
+    ours, silent = socket.socketpair()
+    with ours, silent:
+        watchdog.disarm(watchdog.arm(ours.fileno(), 5))  # starts the thread
+        deadline = time.monotonic() + 5
+        while not watchdog._sleeping:
+            assert time.monotonic() < deadline, "the idle thread never went to sleep"
+            time.sleep(0.02)
+        for _ in range(3):  # woken, and nothing armed any more when it looks
+            watchdog.disarm(watchdog.arm(ours.fileno(), 5))
+            time.sleep(0.2)
+        data, fired = _recv_blocked(ours, watchdog, 0.3)
+        assert (data, fired) == (b"", True), "the deadline of the next call never fired"

@@ -197,7 +197,6 @@ class Watchdog:
         with self._condition:
             if not self._started:
                 self._start()
-            self._sleeping = False
             self._condition.notify()
 
     def _start(self) -> None:
@@ -217,8 +216,11 @@ class Watchdog:
                 if now - idle_since < self.idle_after:
                     continue
                 with condition:
-                    self._sleeping = True
-                    while not armed:  # an arm after this check finds the thread asleep
+                    # Said before each look, under the lock that waking takes: an arm after
+                    # the look finds the thread asleep and wakes it, also when the call it was
+                    # woken for ended before this look (it then sleeps on).
+                    while not armed:
+                        self._sleeping = True
                         condition.wait()
                     self._sleeping = False
                 idle_since = time.monotonic()

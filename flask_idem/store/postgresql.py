@@ -311,7 +311,9 @@ class PostgresStore(SQLStore):
         """A precompiled write (the completion, a release) through the driver's cursor, in
         ``connection``'s transaction or on its own: SQLAlchemy's execution of it was a tenth
         of a new key's Python calls, for a statement whose row count is all that is read."""
-        if _observed(self.engine):
+        if _observed(self.engine) or not (connection is None or connection.in_transaction()):
+            # A view that ended idem.connection()'s transaction itself (commit as you go):
+            # SQLAlchemy begins the next one, which the completion then commits with.
             return super()._send(statement, parameters, connection)
         with translate_errors():
             bound = statement.parameters(parameters)
