@@ -84,16 +84,21 @@ def test_a_forked_child_gets_its_own_watchdog_thread() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
 
 
+def _asleep(watchdog: Watchdog) -> None:
+    """Wait until the watchdog's thread sleeps until woken (it looked: nothing armed)."""
+    watchdog._wake()  # make it look now, past the deadline of the call that started it
+    deadline = time.monotonic() + 5
+    while watchdog._wake_at != float("inf"):
+        assert time.monotonic() < deadline, "the idle thread never went to sleep"
+        time.sleep(0.02)
+
+
 def test_a_sleeping_watchdog_is_woken_by_the_next_call() -> None:
     watchdog = Watchdog()
-    watchdog.idle_after = 0.1
     ours, silent = socket.socketpair()
     with ours, silent:
         watchdog.disarm(watchdog.arm(ours.fileno(), 5))  # starts the thread
-        deadline = time.monotonic() + 5
-        while not watchdog._sleeping:  # nothing armed: the thread stops looking
-            assert time.monotonic() < deadline, "the idle thread never went to sleep"
-            time.sleep(0.02)
+        _asleep(watchdog)
         started = time.monotonic()
         data, fired = _recv_blocked(ours, watchdog, 0.3)
         assert (data, fired) == (b"", True), "the sleeping thread was woken and acted"
@@ -133,16 +138,45 @@ def test_a_call_ended_before_the_woken_watchdog_looked_leaves_it_wakeable() -> N
     """A short call wakes the sleeping thread and is disarmed before the thread looks: the
     thread sleeps on, and the next call must still wake it (it once stayed asleep for good)."""
     watchdog = Watchdog()
-    watchdog.idle_after = 0.1
     ours, silent = socket.socketpair()
     with ours, silent:
         watchdog.disarm(watchdog.arm(ours.fileno(), 5))  # starts the thread
-        deadline = time.monotonic() + 5
-        while not watchdog._sleeping:
-            assert time.monotonic() < deadline, "the idle thread never went to sleep"
-            time.sleep(0.02)
+        _asleep(watchdog)
         for _ in range(3):  # woken, and nothing armed any more when it looks
             watchdog.disarm(watchdog.arm(ours.fileno(), 5))
             time.sleep(0.2)
         data, fired = _recv_blocked(ours, watchdog, 0.3)
         assert (data, fired) == (b"", True), "the deadline of the next call never fired"
+
+
+def test_a_sooner_deadline_wakes_a_thread_waiting_for_a_later_one() -> None:
+    watchdog = Watchdog()
+    late, late_peer = socket.socketpair()
+    soon, silent = socket.socketpair()
+    with late, late_peer, soon, silent:
+        far = watchdog.arm(late.fileno(), 30)  # the thread now sleeps until this one
+        time.sleep(0.2)
+        started = time.monotonic()
+        data, fired = _recv_blocked(soon, watchdog, 0.3)
+        assert (data, fired) == (b"", True)
+        assert time.monotonic() - started < 0.3 + 1.5, "cut off only at the later deadline"
+        assert watchdog.disarm(far) is False
+
+
+def test_under_steady_calls_the_thread_sleeps_until_the_earliest_deadline() -> None:
+    """Calls with one budget, one after the other, never wake the thread: its wake-up time is
+    the earliest deadline it saw, and every later call's is later."""
+    watchdog = Watchdog()
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        watchdog.disarm(watchdog.arm(ours.fileno(), 5))
+        time.sleep(0.2)
+        woken: list[int] = []
+        wake = watchdog._wake
+        watchdog._wake = lambda: (woken.append(1), wake())[1]  # type: ignore[method-assign]
+        for _ in range(500):
+            token = watchdog.arm(ours.fileno(), 5)
+            peer.send(b"x")
+            assert ours.recv(1) == b"x"
+            assert watchdog.disarm(token) is False
+        assert woken == [], "a call of the same budget woke the thread"

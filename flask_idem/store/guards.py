@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -149,19 +150,24 @@ class Watchdog:
 
     :meth:`arm` before a call that waits for the server, :meth:`disarm` after it: a clock
     read, a dict entry in and out, no lock and nothing for the garbage collector to track.
-    The thread looks at the armed entries every :attr:`granularity` seconds and shuts the
-    socket of an entry past its deadline down. An entry is taken out of the dict exactly once
-    (``dict.pop`` is atomic): by :meth:`disarm`, and the thread then leaves it alone, or by the
-    thread, which shuts its socket down under its lock; :meth:`disarm` then finds it gone and
-    waits for that lock, so once it returned the thread never touches that descriptor again
-    (it cannot act on a descriptor closed and reused meanwhile). With nothing armed for
-    :attr:`idle_after` seconds the thread sleeps until the next :meth:`arm` wakes it.
+    While calls come, the thread looks at the armed ones every :attr:`poll` seconds, or at the
+    earliest deadline if that is sooner, and shuts the socket of every call past its deadline
+    down; after a look that found no call armed and none made since the look before, it
+    sleeps until the next :meth:`arm` wakes it. An arm wakes it too when its deadline comes
+    before the thread's next look (a budget shorter than :attr:`poll`).
+
+    An entry is taken out of the dict exactly once (``dict.pop`` is atomic): by
+    :meth:`disarm`, and the thread then leaves it alone, or by the thread, which shuts its
+    socket down under its lock; :meth:`disarm` then finds it gone and waits for that lock, so
+    once it returned the thread never touches that descriptor again (it cannot act on a
+    descriptor closed and reused meanwhile).
     """
 
-    #: Seconds between two looks at the armed calls (a deadline is acted on this late at most).
+    #: Seconds between two looks while calls come (an arm with a longer budget never wakes
+    #: the thread).
+    poll = 1.0
+    #: The thread sleeps at least this long between two looks at the armed calls (seconds).
     granularity = 0.05
-    #: Seconds without any armed call after which the thread stops looking until woken.
-    idle_after = 1.0
 
     def __init__(self) -> None:
         self._reset()
@@ -173,16 +179,20 @@ class Watchdog:
         self._condition = threading.Condition(self._lock)
         self._armed: dict[int, tuple[int, float]] = {}  # token: (descriptor, deadline)
         self._tokens = itertools.count().__next__
-        self._sleeping = True
+        #: When the thread looks next (infinity: it sleeps until woken).
+        self._wake_at = math.inf
+        #: The token of the latest arm: tells the thread whether calls came since its last look.
+        self._latest = -1
         self._started = False
 
     def arm(self, fd: int, budget: float) -> int:
         """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds."""
-        token = self._tokens()
-        self._armed[token] = (fd, time.monotonic() + budget)
-        # Read after the entry is in: the thread re-checks the entries after it says it
-        # sleeps, so either it sees this one or this call sees it asleep and wakes it.
-        if self._sleeping:
+        deadline = time.monotonic() + budget
+        token = self._latest = self._tokens()
+        self._armed[token] = (fd, deadline)
+        # Read after the entry is in: the thread looks at the entries again after it set its
+        # wake-up time, so either it sees this one or this call sees that time and wakes it.
+        if deadline < self._wake_at:
             self._wake()
         return token
 
@@ -208,29 +218,29 @@ class Watchdog:
 
     def _run(self) -> None:
         armed, condition = self._armed, self._condition
-        idle_since = time.monotonic()
-        while True:
-            time.sleep(self.granularity)
-            now = time.monotonic()
-            if not armed:
-                if now - idle_since < self.idle_after:
-                    continue
-                with condition:
-                    # Said before each look, under the lock that waking takes: an arm after
-                    # the look finds the thread asleep and wakes it, also when the call it was
-                    # woken for ended before this look (it then sleeps on).
-                    while not armed:
-                        self._sleeping = True
-                        condition.wait()
-                    self._sleeping = False
-                idle_since = time.monotonic()
-                continue
-            idle_since = now
-            for token, (fd, deadline) in list(armed.items()):
-                if deadline <= now:
-                    with self._lock:
-                        if armed.pop(token, None) is not None:
-                            _shut_down(fd)
+        seen = -2
+        with condition:
+            while True:
+                now = time.monotonic()
+                for token, (fd, deadline) in list(armed.items()):
+                    if deadline <= now and armed.pop(token, None) is not None:
+                        _shut_down(fd)
+                earliest = _earliest(armed)
+                idle = earliest == math.inf and self._latest == seen
+                seen = self._latest
+                wake_at = math.inf if idle else min(earliest, now + self.poll)
+                self._wake_at = wake_at
+                if _earliest(armed) < wake_at:
+                    continue  # armed since the look, sooner, by a call that read the old time
+                if idle:
+                    condition.wait()
+                else:
+                    condition.wait(max(wake_at - now, self.granularity))
+
+
+def _earliest(armed: dict[int, tuple[int, float]]) -> float:
+    # list() copies the entries at once: other threads arm and disarm meanwhile.
+    return min((deadline for _fd, deadline in list(armed.values())), default=math.inf)
 
 
 #: The process's watchdog (its thread starts on the first armed call).
