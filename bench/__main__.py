@@ -6,8 +6,8 @@ the table to millions of records and times the claim and partition expiry. ``sea
 measures compression and encryption of stored responses, on and off (``make bench
 BENCH_MODE=sealing``). ``profile`` shows where one request's CPU and SQL time go, per app
 (:mod:`bench.profile`). ``instructions`` counts each app's CPU instructions per request under
-valgrind, the same on every run (:mod:`bench.instructions`). ``report FILE`` re-prints a results file, ``--markdown`` as the table
-for README.
+valgrind, the same on every run (:mod:`bench.instructions`). ``report FILE`` re-prints a
+results file, ``--markdown`` as the table for README.
 """
 
 from __future__ import annotations

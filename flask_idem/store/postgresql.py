@@ -320,7 +320,8 @@ class PostgresStore(SQLStore):
             if connection is None:
                 return t.cast(int, self._autocommitted(statement.sql, bound, _row_count))
             pooled = connection.connection
-            return t.cast(int, self._on_cursor(pooled, connection, statement.sql, bound, _row_count))
+            sent = self._on_cursor(pooled, connection, statement.sql, bound, _row_count)
+            return t.cast(int, sent)
 
     def _autocommitted(
         self, statement: str, parameters: t.Any, read: t.Callable[[t.Any], t.Any]
