@@ -180,3 +180,25 @@ def test_under_steady_calls_the_thread_sleeps_until_the_earliest_deadline() -> N
             assert ours.recv(1) == b"x"
             assert watchdog.disarm(token) is False
         assert woken == [], "a call of the same budget woke the thread"
+
+
+def test_a_call_armed_by_the_thread_holding_the_watchdogs_lock_does_not_deadlock() -> None:
+    """A garbage-collected connection's rollback can run in a finalizer of the thread that
+    holds the watchdog's lock (its own thread while it looks, or one waking it): arming
+    there must not wait for the lock forever (every later arm would then wait too)."""
+    watchdog = Watchdog()
+    ours, silent = socket.socketpair()
+    done: list[bool] = []
+
+    def finalizer_like() -> None:
+        with watchdog._lock:
+            watchdog.disarm(watchdog.arm(ours.fileno(), 5))  # the first arm wakes the thread
+        done.append(True)
+
+    with ours, silent:
+        caller = threading.Thread(target=finalizer_like, daemon=True)
+        caller.start()
+        caller.join(5)
+        assert done == [True], "arming under the watchdog's own lock deadlocked"
+        data, fired = _recv_blocked(ours, watchdog, 0.3)
+        assert (data, fired) == (b"", True)

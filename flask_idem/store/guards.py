@@ -175,7 +175,9 @@ class Watchdog:
 
     def _reset(self) -> None:
         # Also in a forked child: the parent's thread is gone and its lock may be held.
-        self._lock = threading.Lock()
+        # Re-entrant: a garbage-collected connection's rollback, run by a finalizer in the
+        # thread that holds it (the watchdog's own, or one waking it), arms a call too.
+        self._lock = threading.RLock()
         self._condition = threading.Condition(self._lock)
         self._armed: dict[int, tuple[int, float]] = {}  # token: (descriptor, deadline)
         self._tokens = itertools.count().__next__
@@ -222,7 +224,7 @@ class Watchdog:
         with condition:
             while True:
                 now = time.monotonic()
-                for token, (fd, deadline) in list(armed.items()):
+                for token, (fd, deadline) in armed.copy().items():
                     if deadline <= now and armed.pop(token, None) is not None:
                         _shut_down(fd)
                 earliest = _earliest(armed)
@@ -239,8 +241,9 @@ class Watchdog:
 
 
 def _earliest(armed: dict[int, tuple[int, float]]) -> float:
-    # list() copies the entries at once: other threads arm and disarm meanwhile.
-    return min((deadline for _fd, deadline in list(armed.values())), default=math.inf)
+    # dict.copy() takes the entries at once, allocating nothing per entry (so no garbage
+    # collection, whose finalizers could let other threads arm and disarm, runs inside it).
+    return min((deadline for _fd, deadline in armed.copy().values()), default=math.inf)
 
 
 #: The process's watchdog (its thread starts on the first armed call).
