@@ -481,3 +481,46 @@ def test_a_view_that_ends_its_own_transaction_still_completes(
     finally:
         ledger.metadata.drop_all(engine)
         engine.dispose()
+
+
+def test_an_interrupted_completion_commits_nothing_and_leaves_the_pool(
+    pg_url: str, scope: Scope
+) -> None:
+    """gunicorn's SystemExit on a worker timeout right after the completion UPDATE was sent
+    (on the driver's cursor, in the business transaction): the connection is discarded, never
+    committed or pooled again, and the record stays in progress (its lease then ends it)."""
+
+    class Interrupting(psycopg2.extensions.cursor):  # type: ignore[misc]
+        armed = True
+
+        def execute(self, query: str, *args: t.Any) -> t.Any:
+            result = super().execute(query, *args)
+            if Interrupting.armed and query.startswith("UPDATE idempotency_keys"):
+                Interrupting.armed = False
+                raise SystemExit(1)
+            return result
+
+    engine = sa.create_engine(normalize_url(pg_url), connect_args={"cursor_factory": Interrupting})
+    store = _store(engine)
+    try:
+        claimed = store.claim(scope, FP, ttl=60, lease=30)
+        assert claimed.claimed and claimed.token is not None
+        connection = store.begin()
+        before = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        with pytest.raises(SystemExit):
+            store.complete(
+                scope,
+                claimed.token,
+                RESPONSE,
+                connection=connection,
+                created_at=claimed.record.created_at,
+            )
+        assert connection.invalidated, "the interrupted connection must not be reused"
+        connection.close()
+        with engine.connect() as conn:
+            after = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        assert after != before
+        record = store.get(scope)
+        assert record is not None and record.state is State.IN_PROGRESS
+    finally:
+        engine.dispose()
