@@ -10,6 +10,8 @@ answer                                          what the client does
 network error, timeout                          retry, same key (the server may have executed)
 408, 425, 429, 502, 503, 504                    retry, same key, honouring ``Retry-After``
 409 ``request-in-progress``                     retry after ``Retry-After``, same key
+409 ``outcome-pending``                         retry after ``Retry-After`` if the policy
+                                                leaves time, else raise :class:`OutcomePending`
 401, 403                                        raise :class:`AuthenticationFailed`: refresh
                                                 credentials, retry with the same ``.key``
 422                                             raise :class:`KeyReused`: a new operation needs
@@ -39,6 +41,7 @@ from .keys import KeyFormat, new_key
 
 RETRY_STATUSES = frozenset({408, 425, 429, 502, 503, 504})
 IN_PROGRESS = "request-in-progress"
+PENDING = "outcome-pending"
 _DELAY_SECONDS = re.compile(r"[0-9]+", re.ASCII)
 
 
@@ -131,6 +134,11 @@ class RetriesExhausted(IdempotentRequestError):
     """No final answer within the policy's attempts or time; retry later with the same key."""
 
 
+class OutcomePending(RetriesExhausted):
+    """409 ``outcome-pending``: an attempt may have taken effect and the server is settling it
+    (a reconciler); retry later with the same key, never a new one."""
+
+
 def _problem_type(response: httpx.Response) -> str:
     if not response.headers.get("Content-Type", "").startswith("application/problem+json"):
         return ""
@@ -173,10 +181,11 @@ class _Operation:
                     attempts=self.attempts,
                     response=response,
                 )
-            retry = response.status_code in RETRY_STATUSES or (
-                response.status_code == 409 and _problem_type(response) == IN_PROGRESS
-            )
-            if not retry:
+            problem = _problem_type(response) if response.status_code == 409 else ""
+            if response.status_code not in RETRY_STATUSES and problem not in (
+                IN_PROGRESS,
+                PENDING,
+            ):
                 return None
         delay = self.policy.backoff(self.attempts)
         if response is not None:
@@ -185,7 +194,8 @@ class _Operation:
                 delay = retry_after
         elapsed = self.clock() - self.started
         if self.attempts >= self.policy.max_attempts or elapsed + delay > self.policy.total_timeout:
-            raise RetriesExhausted(
+            pending = response is not None and _problem_type(response) == PENDING
+            raise (OutcomePending if pending else RetriesExhausted)(
                 f"no final answer after {self.attempts} attempts; retry later with the same key",
                 key=self.key,
                 attempts=self.attempts,

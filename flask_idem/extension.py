@@ -29,6 +29,7 @@ from .options import (
     Recovery,
     ReplayFunction,
     ViewOptions,
+    release_option,
 )
 from .sealing import Sealer
 from .sessions import FlaskSQLAlchemySessions, resolve
@@ -129,7 +130,10 @@ class Idempotency:
         if settings.blueprint_prefix is not None:
             app.register_blueprint(create_blueprint(self), url_prefix=settings.blueprint_prefix)
         app.before_request(self._guard_view)
-        app.after_request(flow.finish)
+        # First in the list, so Flask runs it after every other after_request hook (it runs
+        # them in reverse): a hook that raises then fails the attempt before anything is
+        # stored or committed, and the stored answer carries every hook's headers.
+        app.after_request_funcs.setdefault(None, []).insert(0, flow.finish)
         app.teardown_request(flow.teardown)
         got_request_exception.connect(_mark_crashed, app, weak=False)
         # Unhandled exceptions in protected views answer problem+json; an application's own
@@ -271,7 +275,8 @@ class Idempotency:
         ttl: float | None = None,
         lease: float | None = None,
         recovery: Recovery = "fail",
-        declares_effects: bool = False,
+        release_before_contact: bool = False,
+        declares_effects: bool | None = None,
         fingerprint: t.Callable[..., bytes | str] | None = None,
     ) -> t.Callable[[t.Callable[P, R]], t.Callable[P, R]]:
         """Give a worker function the outcome model of a view (see :mod:`flask_idem.jobs`).
@@ -283,7 +288,7 @@ class Idempotency:
         the message raises :class:`~flask_idem.errors.JobInProgress` (retry it later)::
 
             @idem.job("charge-order", key="order_id", tenant="merchant",
-                      recovery="reexecute", declares_effects=True)
+                      recovery="reexecute", release_before_contact=True)
             def charge_order(merchant: str, order_id: str, amount: int) -> dict:
                 charge = provider.charge(amount, idempotency_key=idem.downstream_key("charge"))
                 idem.connection().execute(orders.update()...)
@@ -299,7 +304,8 @@ class Idempotency:
         :param lease: seconds before a worker that stopped renewing counts as gone (default
             ``IDEMPOTENCY_LEASE``); renewed every third of it while the job runs.
         :param recovery: as for :meth:`idempotent`.
-        :param declares_effects: as for :meth:`idempotent`.
+        :param release_before_contact: as for :meth:`idempotent`.
+        :param declares_effects: the former name of ``release_before_contact`` (deprecated).
         :param fingerprint: ``(*args, **kwargs) -> bytes | str`` replacing the JSON of the
             arguments, which a redelivery must repeat (else ``JobKeyReused``).
         """
@@ -311,7 +317,7 @@ class Idempotency:
                 ttl=ttl,
                 lease=lease,
                 recovery=recovery,
-                declares_effects=declares_effects,
+                release_before_contact=release_option(release_before_contact, declares_effects),
                 fingerprint=fingerprint,
             )
         )
@@ -330,7 +336,8 @@ class Idempotency:
         include: t.Iterable[str] | None = None,
         fingerprint: FingerprintFunction | None = None,
         recovery: Recovery = "fail",
-        declares_effects: bool = False,
+        release_before_contact: bool = False,
+        declares_effects: bool | None = None,
         atomic: bool = False,
         replay: ReplayFunction | None = None,
         key: KeyFunction | None = None,
@@ -346,7 +353,8 @@ class Idempotency:
         include: t.Iterable[str] | None = None,
         fingerprint: FingerprintFunction | None = None,
         recovery: Recovery = "fail",
-        declares_effects: bool = False,
+        release_before_contact: bool = False,
+        declares_effects: bool | None = None,
         atomic: bool = False,
         replay: ReplayFunction | None = None,
         key: KeyFunction | None = None,
@@ -367,10 +375,12 @@ class Idempotency:
             (409 ``outcome-pending`` until reconciled) or ``reexecute`` (run the view again as
             the same operation, with the same downstream keys; for views whose external
             calls deduplicate on them).
-        :param declares_effects: the view promises to call :meth:`downstream_key` or
-            :meth:`side_effect` before any contact with the outside world; a failure before
-            that call then gives the key back for a fresh execution. Without it every failure
-            leaves the key ``unknown``.
+        :param release_before_contact: a failure before the view's first
+            :meth:`downstream_key` or :meth:`side_effect` gives the key back for a fresh
+            execution (the view promises to call one of them before any contact with the
+            outside world). Without it every failure leaves the key ``unknown``, unless the
+            view answers through :meth:`refuse`.
+        :param declares_effects: the former name of ``release_before_contact`` (deprecated).
         :param atomic: claim inside the view's business transaction (``idem.connection()``):
             the claim, the business rows and the stored response commit once, a failure rolls
             all of it back (the key is free again), and no lease is kept; a concurrent
@@ -394,7 +404,7 @@ class Idempotency:
             include=include,
             fingerprint=fingerprint,
             recovery=recovery,
-            declares_effects=declares_effects,
+            release_before_contact=release_option(release_before_contact, declares_effects),
             atomic=atomic,
             replay=replay,
             key=key,
@@ -422,7 +432,8 @@ class Idempotency:
         include: t.Iterable[str] | None = None,
         fingerprint: FingerprintFunction | None = None,
         recovery: Recovery = "fail",
-        declares_effects: bool = False,
+        release_before_contact: bool = False,
+        declares_effects: bool | None = None,
         atomic: bool = False,
         replay: ReplayFunction | None = None,
     ) -> None:
@@ -440,7 +451,7 @@ class Idempotency:
             include=include,
             fingerprint=fingerprint,
             recovery=recovery,
-            declares_effects=declares_effects,
+            release_before_contact=release_option(release_before_contact, declares_effects),
             atomic=atomic,
             replay=replay,
         )
@@ -448,13 +459,26 @@ class Idempotency:
     def options_for(
         self, settings: Settings, declared: ViewOptions | None = None
     ) -> ViewOptions | None:
-        """The protection of the current request, or None when it is unprotected.
+        """The protection the current request claims with, or None when it claims nothing
+        (an unprotected view, ``IDEMPOTENCY_ENABLED`` off, a method outside
+        ``IDEMPOTENCY_METHODS``).
 
         :param declared: the options of the ``@idem.idempotent`` guard asking, if any.
         """
-        if not settings.enabled:
+        if not settings.enabled or request.method not in settings.methods:
             return None
-        if request.method not in settings.methods or request.url_rule is None:
+        return self.protection(settings, declared)
+
+    def protection(
+        self, settings: Settings, declared: ViewOptions | None = None
+    ) -> ViewOptions | None:
+        """How the current request's view is protected, or None when it is not, whether or
+        not this request claims: a protected view's unclaimed requests still have their
+        business transaction settled as a claimed request's would be.
+
+        :param declared: the options of the ``@idem.idempotent`` guard asking, if any.
+        """
+        if request.url_rule is None:
             return None
         if declared is None:
             view = current_app.view_functions.get(request.endpoint or "")
@@ -487,6 +511,25 @@ class Idempotency:
         if state is not None:
             _refuse_in_atomic(state, "side_effect()")
             state.contacted = True
+
+    def refuse(self, rv: R) -> R:
+        """Answer ``rv`` as a refusal: the view did nothing, so the key is given back.
+
+        For what a view decides before any contact with the outside world (a limit of its
+        own, a 401 or 503 it answers itself)::
+
+            if not quota.allows(g.tenant):
+                return idem.refuse(({"error": "daily limit reached"}, 429))
+
+        The answer is never stored, the business transaction rolls back, and the next request
+        with the key runs the view again. After :meth:`downstream_key` or :meth:`side_effect`
+        the attempt may have had an effect: it ends ``unknown`` as any other failure, never
+        released. Without ``refuse`` a plain view's failure leaves the key ``unknown``.
+        """
+        state = RequestState.current()
+        if state is not None:
+            state.refused = True
+        return rv
 
     def connection(self) -> sa.Connection:
         """The request's (or job's) business transaction on the store's database.
@@ -527,7 +570,7 @@ class Idempotency:
         view = current_app.view_functions.get(endpoint or "")
         if view is None or getattr(view, flow.GUARD_ATTRIBUTE, None) is view:
             return
-        if self.options_for(AppState.current().settings) is not None:
+        if self.protection(AppState.current().settings) is not None:
             assert endpoint is not None
             current_app.view_functions[endpoint] = flow.guard(view)  # type: ignore[assignment]
 

@@ -15,9 +15,16 @@ caller the view would refuse. Then:
             timeout or SIGQUIT/SIGINT, ``KeyboardInterrupt``, propagated exceptions) gives up.
 
 Giving up rolls the business transaction back, then *releases* the key only when the attempt
-provably committed nothing: the view declared its effects (``declares_effects=True``) and had
-not yet declared contact with the outside world (``idem.downstream_key()`` or
-``idem.side_effect()``). Every other failure leaves the key ``unknown``, never free.
+provably committed nothing: the view answered through ``idem.refuse()``, or promised to declare
+its contact with the outside world (``release_before_contact=True``), and in both cases had not
+yet declared it (``idem.downstream_key()`` or ``idem.side_effect()``). Every other failure
+leaves the key ``unknown``, never free.
+
+A protected view's request that claims nothing (``IDEMPOTENCY_ENABLED`` off, a method outside
+``IDEMPOTENCY_METHODS``, an optional key left out) has its business transaction settled the same
+way: committed with a storable answer, rolled back otherwise. flask_idem's own answers (400,
+409, 413, 422, 503) are returned by the guard, never raised through the application's error
+handlers.
 
 The decisions that do not depend on HTTP (what an existing record leads to, giving up,
 recording the result) live in :mod:`flask_idem.attempt`, shared with background jobs
@@ -194,13 +201,32 @@ def enter(
         return run(call, args, kwargs)  # claimed already, by an outer guard
     if declared is None and find_guard(view, request.method) is not None:
         return run(call, args, kwargs)  # the view's own guard claims, after its decorators
-    options = app_state.extension.options_for(app_state.settings, declared)
+    settings = app_state.settings
+    options = app_state.extension.protection(settings, declared)
     if options is None:
         return t.cast(ResponseReturnValue, call(*args, **kwargs))
-    answer = claim(app_state, options)
-    if answer is not None:
-        return answer
+    if settings.enabled and request.method in settings.methods:
+        try:
+            answer = claim(app_state, options)
+        except Problem as problem:
+            # Returned, not raised: an application's errorhandler(Exception) or
+            # errorhandler(HTTPException) must not turn a 409 or a 422 into its own 500.
+            return _problem_response(app_state, RequestState.current(), problem)
+        if answer is not None:
+            return answer
+    if RequestState.current() is None:
+        unclaimed(app_state, options)
     return run(call, args, kwargs)
+
+
+def unclaimed(app_state: AppState, options: ViewOptions) -> None:
+    """Give a protected view's unclaimed request (``IDEMPOTENCY_ENABLED`` off, a method
+    outside ``IDEMPOTENCY_METHODS``, an optional key left out) the business transaction of a
+    claimed one: the view is written for flask_idem to commit it, so ``finish`` commits it
+    with a storable answer and rolls it back otherwise, as it would a claimed request's."""
+    state = _start(RequestState(None, options))
+    if app_state.sessions is not None:
+        app_state.attach_session(state)
 
 
 def claim(app_state: AppState, options: ViewOptions) -> Response | None:
@@ -440,7 +466,13 @@ def _read_key(req: Request, settings: Settings, options: ViewOptions) -> str | N
 
 
 def _tenant(app_state: AppState) -> str:
-    tenant = app_state.extension.current_tenant()
+    try:
+        tenant = app_state.extension.current_tenant()
+    except Exception:
+        # ``tenant=lambda: g.tenant`` on a request no authentication hook ran for: a refusal
+        # that says what is wrong, never a bare 500.
+        log.exception("the tenant callable raised; the request is refused (tenant-unresolved)")
+        tenant = None
     if tenant is None:
         log.error("protected request without a tenant: configure Idempotency(tenant=...)")
         raise TenantUnresolved(
@@ -479,10 +511,17 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
         return answer
     except HTTPException:
         raise  # abort(404), raise Problem(...): an answer like a returned one
+    except StoreUnavailable as exc:
+        # idem.connection() failed in the view: a crash answered 503 here, not by whatever
+        # error handler the application (or a blueprint) registered for Exception.
+        state = RequestState.current()
+        if state is not None:
+            state.crashed = True
+        return store_unavailable(exc)
     except BaseException:
         # A crash, also when an application error handler turns it into a response.
         state = RequestState.current()
-        if state is not None and state.token is not None:
+        if state is not None:
             state.crashed = True
         raise
 
@@ -503,10 +542,13 @@ def finish(response: Response) -> Response:
     if state.finished:
         return response
     if state.token is None:
-        return _commit_unprotected(app_state, state, response)
+        return _settle_unclaimed(app_state, state, response)
     stop_watching(app_state, state)
     if state.crashed:
         give_up(app_state, state, "the view raised an exception")
+        return response
+    if state.refused:
+        give_up(app_state, state, "the view refused the request")
         return response
     if response.status_code in app_state.settings.never_store:
         give_up(app_state, state, f"status {response.status_code} is never stored")
@@ -669,18 +711,33 @@ def _echo_unclaimed(app_state: AppState, response: Response) -> None:
         response.headers[settings.header] = key
 
 
-def _problem_response(app_state: AppState, state: RequestState, problem: Problem) -> Response:
+def _problem_response(
+    app_state: AppState, state: RequestState | None, problem: Problem
+) -> Response:
     response = problem.get_response()
-    if state.scope is not None:
+    if state is not None and state.scope is not None:
         response.headers[app_state.settings.header] = state.scope.key
     return response
 
 
-def _commit_unprotected(app_state: AppState, state: RequestState, response: Response) -> Response:
-    """Commit ``idem.connection()`` of an unprotected request; if that fails (the view's own
-    query met a dead connection and an error handler rendered it, leaving the transaction
-    invalid), nothing was committed: answer 503, as a store failure anywhere in a request."""
-    if state.connection is None:
+def _settle_unclaimed(app_state: AppState, state: RequestState, response: Response) -> Response:
+    """Settle the business transaction of a request that claimed nothing as a claimed one's
+    would be: rolled back after an exception, and on a protected view after a status that is
+    never stored or an :meth:`~flask_idem.Idempotency.refuse`; committed otherwise.
+
+    If the commit fails (the view's own query met a dead connection and an error handler
+    rendered it, leaving the transaction invalid), nothing was committed: answer 503, as a
+    store failure anywhere in a request.
+    """
+    if state.connection is None and state.session is None:
+        return response
+    protected = state.options is not None
+    if (
+        state.crashed
+        or state.refused
+        or (protected and response.status_code in app_state.settings.never_store)
+    ):
+        rollback(state)
         return response
     try:
         with translate_errors():

@@ -29,8 +29,9 @@ same key with other arguments                  unchanged                  ``JobK
 the store fails at the claim                   nothing                    ``StoreUnavailable``
 =============================================  =========================  ======================
 
-"Releasable" is the view's rule: the job declares its effects (``declares_effects=True``) and
-had not yet called ``idem.downstream_key()`` or ``idem.side_effect()``. An ``unknown`` record
+"Releasable" is the view's rule: the job promises to declare its contact with the outside world
+(``release_before_contact=True``) and had not yet called ``idem.downstream_key()`` or
+``idem.side_effect()``. An ``unknown`` record
 (or one in progress past its lease) is run again by a redelivery only under
 ``recovery="reexecute"``, as a fenced takeover of the same record, so with the same downstream
 keys; under ``recovery="fail"`` a redelivery raises ``JobOutcomePending`` until a reconciler

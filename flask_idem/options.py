@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing as t
+import warnings
 
 from flask.typing import ResponseReturnValue
 
@@ -38,10 +39,11 @@ def _check_outcome_options(recovery: str, ttl: float | None) -> None:
 class ViewOptions:
     """The per-view options of :meth:`Idempotency.idempotent <flask_idem.Idempotency.idempotent>`.
 
-    ``declares_effects`` is the view's promise that it calls ``idem.downstream_key()`` or
-    ``idem.side_effect()`` before any contact with the outside world, so that a failure before
-    that call provably committed nothing and may give the key back. Without the promise every
-    failure leaves the key ``unknown``: the safe default.
+    ``release_before_contact`` is the view's promise that it calls ``idem.downstream_key()``
+    or ``idem.side_effect()`` before any contact with the outside world, so that a failure
+    before that call provably committed nothing and gives the key back. Without the promise
+    every failure leaves the key ``unknown`` (the safe default), unless the view answers
+    through ``idem.refuse()``.
 
     ``atomic`` puts the claim inside the view's business transaction (``idem.connection()``):
     the claim, the business rows and the stored response commit once, and any failure rolls
@@ -55,7 +57,7 @@ class ViewOptions:
     include: tuple[str, ...] | None = None
     fingerprint: FingerprintFunction | None = None
     recovery: Recovery = "fail"
-    declares_effects: bool = False
+    release_before_contact: bool = False
     atomic: bool = False
     replay: ReplayFunction | None = None
     #: Takes the key from the request instead of the header (see ``key=``).
@@ -63,10 +65,10 @@ class ViewOptions:
 
     def __post_init__(self) -> None:
         _check_outcome_options(self.recovery, self.ttl)
-        if self.atomic and (self.recovery != "fail" or self.declares_effects):
+        if self.atomic and (self.recovery != "fail" or self.release_before_contact):
             raise ConfigurationError(
                 "an atomic view never leaves an unknown outcome (a failure rolls everything "
-                "back): recovery= and declares_effects= do not apply to it"
+                "back): recovery= and release_before_contact= do not apply to it"
             )
         if self.fingerprint is not None and (self.exclude or self.include is not None):
             raise ConfigurationError("give either fingerprint= or exclude=/include=, not both")
@@ -93,6 +95,19 @@ class ViewOptions:
         )
 
 
+def release_option(release_before_contact: bool, declares_effects: bool | None) -> bool:
+    """``release_before_contact``, or its former name ``declares_effects`` (deprecated: it
+    did not say that it gives the key back)."""
+    if declares_effects is None:
+        return release_before_contact
+    warnings.warn(
+        "declares_effects= is deprecated: use release_before_contact=",
+        DeprecationWarning,
+        stacklevel=3,  # the caller of the public method
+    )
+    return release_before_contact or declares_effects
+
+
 #: The marker of :meth:`Idempotency.exempt <flask_idem.Idempotency.exempt>`.
 EXEMPT = ViewOptions()
 
@@ -105,7 +120,7 @@ JOB_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 class JobOptions:
     """The options of :meth:`Idempotency.job <flask_idem.Idempotency.job>`.
 
-    ``recovery`` and ``declares_effects`` mean what they mean for a view; ``lease`` overrides
+    ``recovery`` and ``release_before_contact`` mean what they mean for a view; ``lease`` overrides
     ``IDEMPOTENCY_LEASE`` for long jobs (renewed every third of it while the job runs).
     """
 
@@ -115,7 +130,7 @@ class JobOptions:
     ttl: float | None = None
     lease: float | None = None
     recovery: Recovery = "fail"
-    declares_effects: bool = False
+    release_before_contact: bool = False
     #: ``(*args, **kwargs) -> bytes | str`` replacing the JSON of the job's arguments.
     fingerprint: t.Callable[..., bytes | str] | None = None
 

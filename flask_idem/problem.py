@@ -121,9 +121,16 @@ class KeyReused(Problem):
 
 
 class OutcomePending(Problem):
+    """The first attempt may have had an effect and nobody knows yet: ``Retry-After`` says
+    when to ask again (with the same key), by default the cadence of the documented
+    ``flask idem reconcile`` cron, which settles the record."""
+
     problem = "outcome-pending"
     code = 409
     title = "Outcome pending"
+
+    def __init__(self, detail: str, *, retry_after: int = 300) -> None:
+        super().__init__(detail, headers=_retry_after(retry_after))
 
 
 class ResponseNotStored(Problem):

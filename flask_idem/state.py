@@ -102,6 +102,8 @@ class RequestState:
     contacted: bool = False
     #: The view or job raised (whoever rendered the exception afterwards).
     crashed: bool = False
+    #: The view answered through ``idem.refuse()``: it did nothing, the key goes back.
+    refused: bool = False
     finished: bool = False
     #: A store failure was already reported for this attempt (events count it once).
     store_failed: bool = False
@@ -156,7 +158,9 @@ class RequestState:
         """Whether a failure now provably committed nothing, so the key may be given back."""
         if self.atomic:
             return True  # the claim itself rolls back with everything else
-        return self.options is not None and self.options.declares_effects and not self.contacted
+        if self.contacted or self.options is None:
+            return False
+        return self.refused or self.options.release_before_contact
 
     @property
     def atomic(self) -> bool:

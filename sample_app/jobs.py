@@ -30,7 +30,7 @@ def renewal_key(tenant: str, subscription: str, period: str, *_: t.Any) -> str:
     key=renewal_key,
     tenant="tenant",
     recovery="reexecute",
-    declares_effects=True,
+    release_before_contact=True,
 )
 def renew_subscription(
     tenant: str, subscription: str, period: str, amount: int, currency: str, customer: str

@@ -72,11 +72,11 @@ def record_payment(conn: sa.Connection, tenant: str, charge: Charge) -> t.Any:
 # ``reexecute``: when the first attempt's outcome is unknown (its worker died, the provider
 # call failed after charging), a retry runs the view again as the same operation: the
 # provider deduplicates on the downstream key, and the payment row commits only together
-# with the stored response. ``declares_effects``: the view asks for its downstream key before
+# with the stored response. ``release_before_contact``: the view asks for its downstream key before
 # it calls the provider, so a failure before that (``cus_crash``) gives the key back.
 @bp.post("/payments")
 @requires("payments:write")
-@idem.idempotent(exclude=["client_ts"], recovery="reexecute", declares_effects=True)
+@idem.idempotent(exclude=["client_ts"], recovery="reexecute", release_before_contact=True)
 def create_payment() -> Response:
     body = load_body(PaymentSchema())
     if body["customer"] == CRASH_CUSTOMER:
@@ -140,7 +140,7 @@ def get_payment(payment_id: str) -> Response:
 # re-running it is safe.
 @bp.post("/payments/<payment_id>/refunds")
 @requires("payments:write")
-@idem.idempotent(recovery="reexecute", declares_effects=True)
+@idem.idempotent(recovery="reexecute", release_before_contact=True)
 def create_refund(payment_id: str) -> Response:
     if not PAYMENT_ID.fullmatch(payment_id):
         raise problems.payment_not_found(payment_id)

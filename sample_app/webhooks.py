@@ -44,7 +44,7 @@ def event_id(req: t.Any) -> t.Any:
 # Every write is in the transaction committed with the stored answer, so a worker killed
 # mid-event left nothing behind: a redelivery after the lease simply runs it (``reexecute``).
 @bp.post("/webhooks/provider")
-@idem.idempotent(key=event_id, recovery="reexecute", declares_effects=True)
+@idem.idempotent(key=event_id, recovery="reexecute", release_before_contact=True)
 def provider_event() -> Response:
     event = load_body(EventSchema())
     conn = idem.connection()

@@ -177,7 +177,7 @@ def app_factory(store: SQLStore) -> t.Callable[..., tuple[Flask, Idempotency, Co
 
         # Touches nothing outside: it may promise that a failure committed nothing.
         @app.post("/status/<int:code>")
-        @idem.idempotent(declares_effects=True)
+        @idem.idempotent(release_before_contact=True)
         def answer_status(code: int) -> t.Any:
             counter.bump()
             return flask.jsonify(code=code), code

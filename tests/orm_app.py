@@ -72,7 +72,7 @@ def create_app(url: str, *, slow: bool = False) -> tuple[Flask, Idempotency]:
             db.session.add(Payment(idem_key=flask.request.headers["Idempotency-Key"], amount=2))
         return {"ok": True}, 201
 
-    app.post("/busy", endpoint="busy")(idem.idempotent(declares_effects=True)(busy))
+    app.post("/busy", endpoint="busy")(idem.idempotent(release_before_contact=True)(busy))
     app.post("/nested", endpoint="nested")(idem.idempotent(nested))
     app.post("/durable", endpoint="durable")(idem.idempotent(charge))
     app.post("/atomic", endpoint="atomic")(idem.idempotent(atomic=True)(charge))

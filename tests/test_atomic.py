@@ -432,7 +432,7 @@ def test_an_atomic_view_committing_itself_is_refused(
 
 def test_atomic_views_refuse_recovery_options(app_factory: Factory) -> None:
     _, idem, _ = app_factory()
-    for options in ({"recovery": "reexecute"}, {"declares_effects": True}):
+    for options in ({"recovery": "reexecute"}, {"release_before_contact": True}):
         with pytest.raises(ConfigurationError, match="atomic view never leaves"):
             idem.idempotent(atomic=True, **options)
 

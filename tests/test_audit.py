@@ -44,7 +44,7 @@ def charging(app_factory: Factory) -> tuple[flask.Flask, Ledger]:
     ledger = Ledger()
 
     @app.post(PATH)
-    @idem.idempotent(recovery="reexecute", declares_effects=True)
+    @idem.idempotent(recovery="reexecute", release_before_contact=True)
     def create_charge() -> t.Any:
         ledger.charge("alpha", idem.downstream_key("charge"))
         if ledger.lose_next:

@@ -19,6 +19,7 @@ from flask_idem.client import (
     AuthenticationFailed,
     IdempotentClient,
     KeyReused,
+    OutcomePending,
     RetriesExhausted,
     RetryPolicy,
     parse_retry_after,
@@ -83,7 +84,6 @@ def test_retryable_statuses(status: int) -> None:
         httpx.Response(400),
         httpx.Response(404),
         httpx.Response(500),
-        _problem(409, "outcome-pending"),
         _problem(409, "response-not-stored"),
         httpx.Response(201),
     ],
@@ -92,6 +92,21 @@ def test_final_answers_are_not_retried(answer: httpx.Response) -> None:
     script = Script(answer)
     result = _client(script).post("/x")
     assert result.attempts == 1 and result.response.status_code == answer.status_code
+
+
+def test_a_pending_outcome_is_asked_again_with_the_same_key_when_time_allows() -> None:
+    script = Script(_problem(409, "outcome-pending", **{"Retry-After": "0"}), httpx.Response(201))
+    result = _client(script).post("/x", key="op-1")
+    assert result.response.status_code == 201 and script.keys == ["op-1", "op-1"]
+
+
+def test_a_pending_outcome_past_the_budget_says_retry_later_with_the_same_key() -> None:
+    script = Script(_problem(409, "outcome-pending", **{"Retry-After": "300"}))
+    with pytest.raises(OutcomePending, match="same key") as info:
+        _client(script).post("/x", key="op-1")
+    assert isinstance(info.value, RetriesExhausted), "callers catching RetriesExhausted see it"
+    assert info.value.key == "op-1" and info.value.attempts == 1
+    assert info.value.response is not None and info.value.response.status_code == 409
 
 
 def test_422_tells_the_caller_to_use_a_new_key() -> None:

@@ -378,7 +378,7 @@ def test_unhandled_exception_releases_the_key(app_factory: Factory, store: SQLSt
     app, idem, counter = app_factory()
 
     @app.post("/crash")
-    @idem.idempotent(declares_effects=True)
+    @idem.idempotent(release_before_contact=True)
     def crash() -> t.Any:
         counter.bump()
         raise RuntimeError("boom")

@@ -101,7 +101,7 @@ def test_a_failure_before_contact_releases_and_after_contact_is_unknown(
     idem, provider = _idem(app), FakeProvider()
     fail = {"before": True}
 
-    @idem.job("charge-order", key="order_id", tenant="merchant", declares_effects=True)
+    @idem.job("charge-order", key="order_id", tenant="merchant", release_before_contact=True)
     def charge_order(merchant: str, order_id: str) -> int:
         if fail["before"]:
             raise RuntimeError("the order could not be read")
@@ -131,7 +131,7 @@ def test_reexecute_reruns_an_unknown_message_with_the_same_downstream_key(
 
     @idem.job(
         "charge-order", key="order_id", tenant="merchant", recovery="reexecute",
-        declares_effects=True,
+        release_before_contact=True,
     )  # fmt: skip
     def charge_order(merchant: str, order_id: str) -> dict[str, int]:
         keys.append(idem.downstream_key("charge"))
@@ -153,7 +153,7 @@ def test_a_worker_told_to_stop_mid_job_leaves_it_unknown(
 ) -> None:
     idem = _idem(app)
 
-    @idem.job("charge-order", key="order_id", tenant="merchant", declares_effects=True)
+    @idem.job("charge-order", key="order_id", tenant="merchant", release_before_contact=True)
     def charge_order(merchant: str, order_id: str) -> None:
         idem.side_effect()
         raise exception()

@@ -31,7 +31,7 @@ def _app(store: SQLStore, registry: CollectorRegistry, **config: t.Any) -> flask
     idem.init_app(app)
 
     @app.post("/pay")
-    @idem.idempotent(declares_effects=True)
+    @idem.idempotent(release_before_contact=True)
     def pay() -> t.Any:
         body = flask.request.get_json()
         if body.get("crash"):

@@ -76,7 +76,7 @@ def test_provider_timeout_then_retry_charges_once(app_factory: Factory, failure:
     provider = FakeProvider()
 
     @app.post("/pay")
-    @idem.idempotent(recovery="reexecute", declares_effects=True)
+    @idem.idempotent(recovery="reexecute", release_before_contact=True)
     def pay() -> t.Any:
         try:
             charge = provider.charge(idem.downstream_key("charge"))
@@ -103,7 +103,7 @@ def test_provider_timeout_on_a_fail_view_waits_for_reconciliation(
     provider = FakeProvider()
 
     @app.post("/pay")
-    @idem.idempotent(declares_effects=True)
+    @idem.idempotent(release_before_contact=True)
     def pay() -> t.Any:
         return {"charge": provider.charge(idem.downstream_key("charge"))}, 201
 
@@ -116,7 +116,7 @@ def test_provider_timeout_on_a_fail_view_waits_for_reconciliation(
 
 
 def test_a_view_that_declares_nothing_never_releases(app_factory: Factory, store: SQLStore) -> None:
-    """The safe default: without ``declares_effects`` any failure leaves the key unknown."""
+    """The safe default: without ``release_before_contact`` any failure leaves the key unknown."""
     app, idem, counter = app_factory()
 
     @app.post("/quiet")
@@ -144,13 +144,13 @@ def test_a_view_that_declares_nothing_never_releases(app_factory: Factory, store
     assert _record(store, "/quiet").state is State.UNKNOWN
 
 
-def test_a_failure_before_contact_releases_when_the_view_declares_effects(
+def test_a_failure_before_contact_releases_when_the_view_release_before_contact(
     app_factory: Factory, store: SQLStore
 ) -> None:
     app, idem, counter = app_factory()
 
     @app.post("/validate")
-    @idem.idempotent(declares_effects=True)
+    @idem.idempotent(release_before_contact=True)
     def validate() -> t.Any:
         if counter.bump() == 1:
             raise RuntimeError("before any contact")
@@ -173,7 +173,7 @@ def test_system_exit_after_contact_leaves_the_key_unknown(
     provider = FakeProvider()
 
     @app.post("/pay")
-    @idem.idempotent(recovery="reexecute", declares_effects=True)
+    @idem.idempotent(recovery="reexecute", release_before_contact=True)
     def pay() -> t.Any:
         charge = provider.charge(idem.downstream_key("charge"), time_out_first=False)
         if provider.calls == 1:
@@ -195,7 +195,7 @@ def test_store_failing_after_the_charge_tells_the_truth_and_finishes_on_retry(
     provider = FakeProvider()
 
     @app.post("/pay")
-    @idem.idempotent(recovery="reexecute", declares_effects=True)
+    @idem.idempotent(recovery="reexecute", release_before_contact=True)
     def pay() -> t.Any:
         conn = idem.connection()
         charge = provider.charge(idem.downstream_key("charge"), time_out_first=False)
@@ -230,7 +230,7 @@ def test_a_catch_all_error_handler_stores_and_commits_nothing(
         return {"error": "internal"}, 500
 
     @app.post("/write")
-    @idem.idempotent(declares_effects=True)
+    @idem.idempotent(release_before_contact=True)
     def write() -> t.Any:
         idem.connection().execute(business.insert())
         if counter.bump() == 1:

@@ -26,7 +26,7 @@ def _unprotected_app() -> tuple[Flask, Idempotency, Counter, list[str]]:
     keys: list[str] = []
 
     @app.post("/charges")
-    @idem.idempotent(declares_effects=True)
+    @idem.idempotent(release_before_contact=True)
     def charge() -> t.Any:
         keys.append(idem.downstream_key("charge"))
         assert idem.downstream_key("charge") == keys[-1], "one key per step and request"

@@ -42,7 +42,7 @@ def receiver(app_factory: Factory, business: sa.Table) -> Receiver:
                 flask.abort(401)
 
         @app.post("/webhooks")
-        @idem.idempotent(key=_event_id, declares_effects=True)
+        @idem.idempotent(key=_event_id, release_before_contact=True)
         def receive() -> t.Any:
             counter.bump()
             idem.connection().execute(business.insert())
