@@ -11,8 +11,10 @@ A protected view must not settle the session itself: ``db.session.commit()`` the
 commit the business rows before their stored response (the crash window this closes), and
 ``db.session.rollback()`` would undo work, or an atomic claim, behind the extension's back.
 Both raise :class:`SessionSettled` (a crash of the view: the transaction rolls back, the key
-is given up as for any exception). ``db.session.flush()`` is fine. Unprotected requests and
-unclaimed ones (no key on an optional-key view) may commit as usual.
+is given up as for any exception). ``db.session.flush()`` is fine. A protected view's
+unclaimed requests (switched off, an optional key left out, a method outside
+``IDEMPOTENCY_METHODS``) have the session settled the same way by flask_idem, and may also
+commit it themselves; unprotected requests commit as usual.
 
 Flask-SQLAlchemy is an optional extra (``pip install 'flask-idem[flask-sqlalchemy]'``); this
 module never imports it.
