@@ -14,6 +14,9 @@ The revisions ship inside the package (``flask_idem.migrations``) on their own b
   flask_idem's tables alone, and every new revision of the application (``flask db migrate``,
   ``flask db revision``) is written into its own ``migrations/versions`` on its own branch
   (:func:`place_revisions`), never into the installed package.
+
+Without a ``url``, :func:`upgrade` and :func:`downgrade` migrate the database of the current
+application (its flask_idem store, else its Flask-SQLAlchemy engine), else ``DATABASE_URL``.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from alembic.util import CommandError
-from flask import current_app
+from flask import current_app, has_app_context
 from flask.cli import AppGroup
 
+from .sessions import EXTENSION_KEY as FLASK_SQLALCHEMY
+from .state import EXTENSION_NAME, AppState
 from .store import normalize_url
 from .table import VERSION_TABLE, metadata
 
@@ -76,14 +81,36 @@ def alembic_config(url: str | sa.URL | None = None) -> Config:
     return config
 
 
+def app_database() -> sa.URL | None:
+    """The database holding flask_idem's tables for the current application, if it has one.
+
+    That is its flask_idem store's (``app.extensions["idempotency"]``), which is where the
+    requests read and write, else the default engine of its Flask-SQLAlchemy (a deploy script
+    may migrate before the extension is set up); None outside an application context.
+    """
+    if not has_app_context():
+        return None
+    if EXTENSION_NAME in current_app.extensions:
+        return AppState.current().store.engine.url
+    db = current_app.extensions.get(FLASK_SQLALCHEMY)
+    return None if db is None else t.cast(sa.URL, db.engine.url)
+
+
 def upgrade(url: str | sa.URL | None = None, revision: str = "head") -> None:
-    """Create or update the ``idempotency_keys`` schema (standalone)."""
-    command.upgrade(alembic_config(url), revision)
+    """Create or update the ``idempotency_keys`` schema (standalone).
+
+    :param url: the database; without it, the current application's (:func:`app_database`),
+        else ``DATABASE_URL``.
+    """
+    command.upgrade(alembic_config(app_database() if url is None else url), revision)
 
 
 def downgrade(url: str | sa.URL | None = None, revision: str = "base") -> None:
-    """Remove the schema (``base``) or step back to ``revision`` (standalone)."""
-    command.downgrade(alembic_config(url), revision)
+    """Remove the schema (``base``) or step back to ``revision`` (standalone).
+
+    :param url: the database, found as for :func:`upgrade`.
+    """
+    command.downgrade(alembic_config(app_database() if url is None else url), revision)
 
 
 # -- inside an application's history (Flask-Migrate) ----------------------------------------
@@ -300,10 +327,7 @@ db_group = AppGroup(
 
 def _app_config() -> Config:
     """The standalone configuration on the application's flask_idem database."""
-    from .state import AppState
-
-    engine = AppState.current().store.engine
-    config = alembic_config(engine.url)
+    config = alembic_config(app_database())
     # Alembic binds sys.stdout when its module loads; print where click prints now.
     config.stdout = sys.stdout
     return config
