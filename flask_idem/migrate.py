@@ -10,37 +10,54 @@ The revisions ship inside the package (``flask_idem.migrations``) on their own b
 * **In the application's history** (Flask-Migrate): :func:`include_in` adds the package's
   revisions to the application's ``version_locations``; ``flask db upgrade heads`` then brings
   the application's branch and the ``flask_idem`` branch up, tracked in the application's
-  ``alembic_version`` like any other branch, and autogenerate (``flask db migrate``) leaves
-  flask_idem's tables alone.
+  ``alembic_version`` like any other branch. Autogenerate (``flask db migrate``) leaves
+  flask_idem's tables alone, and every new revision of the application (``flask db migrate``,
+  ``flask db revision``) is written into its own ``migrations/versions`` on its own branch
+  (:func:`place_revisions`), never into the installed package.
+
+Without a ``url``, :func:`upgrade` and :func:`downgrade` migrate the database of the current
+application (its flask_idem store, else its Flask-SQLAlchemy engine), else ``DATABASE_URL``.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import logging
 import os
 import sys
 import typing as t
+from pathlib import Path
 
 import click
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
+from alembic.util import CommandError
+from flask import current_app, has_app_context
 from flask.cli import AppGroup
 
+from .sessions import EXTENSION_KEY as FLASK_SQLALCHEMY
+from .state import EXTENSION_NAME, AppState
 from .store import normalize_url
 from .table import VERSION_TABLE, metadata
 
 if t.TYPE_CHECKING:
+    from alembic.operations.ops import MigrationScript
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import Script, ScriptDirectory
     from flask_migrate import Migrate
 
 #: The branch label of flask_idem's first revision: ``flask db upgrade flask_idem@head``.
 BRANCH = "flask_idem"
 
 IncludeObject = t.Callable[[t.Any, "str | None", str, bool, t.Any], bool]
+ProcessRevisionDirectives = t.Callable[["MigrationContext", t.Any, "list[MigrationScript]"], None]
 
 #: Every table flask_idem creates starts with this (partitions, later tables).
 _PREFIX = "idempotency_"
 _SEPARATORS = {"space": " ", "newline": "\n", "os": os.pathsep, ":": ":", ";": ";"}
+#: Marks the hooks :func:`include_in` installed, so that installing them again is a no-op.
+_OURS = "_flask_idem"
 
 
 def versions_directory() -> str:
@@ -64,14 +81,36 @@ def alembic_config(url: str | sa.URL | None = None) -> Config:
     return config
 
 
+def app_database() -> sa.URL | None:
+    """The database holding flask_idem's tables for the current application, if it has one.
+
+    That is its flask_idem store's (``app.extensions["idempotency"]``), which is where the
+    requests read and write, else the default engine of its Flask-SQLAlchemy (a deploy script
+    may migrate before the extension is set up); None outside an application context.
+    """
+    if not has_app_context():
+        return None
+    if EXTENSION_NAME in current_app.extensions:
+        return AppState.current().store.engine.url
+    db = current_app.extensions.get(FLASK_SQLALCHEMY)
+    return None if db is None else t.cast(sa.URL, db.engine.url)
+
+
 def upgrade(url: str | sa.URL | None = None, revision: str = "head") -> None:
-    """Create or update the ``idempotency_keys`` schema (standalone)."""
-    command.upgrade(alembic_config(url), revision)
+    """Create or update the ``idempotency_keys`` schema (standalone).
+
+    :param url: the database; without it, the current application's (:func:`app_database`),
+        else ``DATABASE_URL``.
+    """
+    command.upgrade(alembic_config(app_database() if url is None else url), revision)
 
 
 def downgrade(url: str | sa.URL | None = None, revision: str = "base") -> None:
-    """Remove the schema (``base``) or step back to ``revision`` (standalone)."""
-    command.downgrade(alembic_config(url), revision)
+    """Remove the schema (``base``) or step back to ``revision`` (standalone).
+
+    :param url: the database, found as for :func:`upgrade`.
+    """
+    command.downgrade(alembic_config(app_database() if url is None else url), revision)
 
 
 # -- inside an application's history (Flask-Migrate) ----------------------------------------
@@ -99,20 +138,117 @@ def include_object(
     return not is_own_table(table)
 
 
-def _chain(first: IncludeObject, second: IncludeObject) -> IncludeObject:
-    def both(obj: t.Any, name: str | None, type_: str, reflected: bool, other: t.Any) -> bool:
-        return first(obj, name, type_, reflected, other) and second(
-            obj, name, type_, reflected, other
-        )
+def place_revisions(
+    context: MigrationContext, revision: t.Any, directives: list[MigrationScript]
+) -> None:
+    """An Alembic ``process_revision_directives`` hook: an application's new revisions go into
+    its own directory, on its own branch.
 
-    return both
+    Alembic builds a new revision on ``head`` and writes it into the directory of the head it
+    builds on. With flask_idem's revisions among the ``version_locations``, the ``head`` of an
+    application without revisions is flask_idem's: its first revision would be chained onto
+    flask_idem's branch and written into the installed package. So a revision left on ``head``
+    is built on the application's own head instead (``base``, a new root, while it has none;
+    with several the choice stays the user's, and Alembic asks for ``--head``), and one
+    without a ``version_path`` goes into the application's first location wherever Alembic
+    would pick flask_idem's directory. A head or path given on the command line is kept.
+
+    A no-op when flask_idem's revisions are not in the history. :func:`include_in` installs
+    it; an ``env.py`` of plain Alembic that uses :func:`add_version_location` passes it to
+    ``context.configure``.
+
+    :param context: the migration context; its ``script`` is the history.
+    :param revision: the database's current revision (not needed).
+    :param directives: the revisions about to be written, changed in place.
+    """
+    scripts = context.script
+    if scripts is None:
+        return
+    ours = Path(versions_directory()).resolve()
+    own_locations = [
+        location for location in scripts.version_locations if Path(location).resolve() != ours
+    ]
+    if len(own_locations) == len(scripts.version_locations) or not own_locations:
+        return  # flask_idem's revisions are not in this history, or nothing else is
+    for directive in directives:
+        if directive.head == "head":
+            heads = [head for head in scripts.get_revisions("heads") if not _is_ours(head, ours)]
+            if len(heads) < 2:
+                directive.head = heads[0].revision if heads else "base"
+        if directive.version_path is None and _lands_in(scripts, directive.head, ours):
+            directive.version_path = own_locations[0]
+
+
+def _is_ours(script: Script, ours: Path) -> bool:
+    return Path(script.path).resolve().parent == ours
+
+
+def _lands_in(scripts: ScriptDirectory, head: t.Any, ours: Path) -> bool:
+    """Whether Alembic would put a revision on ``head`` into ``ours`` (the directory of the
+    first head it builds on), or fail for want of one (``base``)."""
+    try:
+        built_on = [script for script in scripts.get_revisions(head) if script is not None]
+    except CommandError:
+        return False  # an unknown head: Alembic says so itself
+    return not built_on or _is_ours(built_on[0], ours)
+
+
+def _hide_own_tables(own: IncludeObject | None) -> IncludeObject:
+    """:func:`include_object` after the application's own hook, if it has one."""
+
+    def hook(obj: t.Any, name: str | None, type_: str, reflected: bool, other: t.Any) -> bool:
+        if own is not None and not own(obj, name, type_, reflected, other):
+            return False
+        return include_object(obj, name, type_, reflected, other)
+
+    return hook
+
+
+def _place_revisions(own: ProcessRevisionDirectives | None) -> ProcessRevisionDirectives:
+    """:func:`place_revisions` after the application's own hook, or after Flask-Migrate's
+    skipping of empty autogenerated revisions, which its ``env.py`` installs only when
+    ``configure_args`` has no hook."""
+
+    def hook(context: MigrationContext, revision: t.Any, directives: list[MigrationScript]) -> None:
+        if own is not None:
+            own(context, revision, directives)
+        elif _autogenerated(context) and all(
+            ops.is_empty() for directive in directives for ops in directive.upgrade_ops_list
+        ):
+            directives[:] = []
+            # Flask-Migrate's message, on its logger, which its alembic.ini shows.
+            logging.getLogger("alembic.env").info("No changes in schema detected.")
+        place_revisions(context, revision, directives)
+
+    return hook
+
+
+def _autogenerated(context: MigrationContext) -> bool:
+    config = context.config
+    return config is not None and bool(getattr(config.cmd_opts, "autogenerate", False))
+
+
+def _install_hooks(configure_args: dict[str, t.Any]) -> None:
+    """Put flask_idem's hooks into Flask-Migrate's ``configure_args``, each wrapping the
+    application's own; a no-op when they are there (every command runs the callbacks)."""
+    wrappers: dict[str, t.Callable[[t.Any], t.Any]] = {
+        "include_object": _hide_own_tables,
+        "process_revision_directives": _place_revisions,
+    }
+    for name, wrap in wrappers.items():
+        existing = configure_args.get(name)
+        if not getattr(existing, _OURS, False):
+            hook = wrap(existing)
+            setattr(hook, _OURS, True)
+            configure_args[name] = hook
 
 
 def add_version_location(config: Config) -> Config:
     """Add flask_idem's revisions to an Alembic configuration's ``version_locations``.
 
-    The application's own ``<script_location>/versions`` stays first, so new revisions of the
-    application keep landing in its own directory. Without a ``path_separator`` in the
+    The application's own ``<script_location>/versions`` stays first: :func:`place_revisions`
+    writes the application's new revisions there (Alembic alone would write them beside the
+    head they build on, which may be flask_idem's). Without a ``path_separator`` in the
     configuration, ``os`` (``os.pathsep``) is set, as Alembic recommends.
     """
     ours = versions_directory()
@@ -149,9 +285,18 @@ def include_in(migrate: Migrate) -> Migrate:
     ``flask_idem`` branch; a plain ``flask db upgrade`` refuses two heads until they are
     merged with ``flask db merge heads``) creates and updates both. It registers a
     :meth:`Migrate.configure <flask_migrate.Migrate.configure>` callback that adds the
-    revisions to ``version_locations`` (:func:`add_version_location`), and an
-    ``include_object`` hook (:func:`include_object`, chained after the application's own) so
-    that autogenerate never proposes to drop flask_idem's tables.
+    revisions to ``version_locations`` (:func:`add_version_location`), and two hooks, each
+    chained after the application's own: ``include_object`` (:func:`include_object`), so
+    that autogenerate never proposes to drop flask_idem's tables, and
+    ``process_revision_directives`` (:func:`place_revisions`, after Flask-Migrate's skipping
+    of empty autogenerated revisions when the application has no hook of its own), so that
+    ``flask db migrate`` and ``flask db revision`` write the application's revisions into its
+    own ``migrations/versions``. The callback also sets ``revision_environment``: without it
+    ``flask db revision`` does not run ``env.py``, so no hook sees its revision (it, and
+    ``flask db merge``, then connect to the database, as ``flask db migrate`` does).
+
+    Flask-Migrate's single-database templates (``flask``, ``aioflask``) only: flask_idem's
+    revisions take no ``engine_name``, which the ``flask-multidb`` template passes.
 
     :param migrate: the application's ``flask_migrate.Migrate``, before or after its
         ``init_app``.
@@ -159,26 +304,16 @@ def include_in(migrate: Migrate) -> Migrate:
     """
 
     def configure(config: Config) -> Config:
-        from flask import current_app
-
         state = current_app.extensions.get("migrate")
         if state is not None:
-            _hide_own_tables(state.configure_args)
+            _install_hooks(state.configure_args)
+        config.set_main_option("revision_environment", "true")
         return add_version_location(config)
 
-    _hide_own_tables(migrate.alembic_ctx_kwargs)
+    # Before init_app, which copies these into the application's configure_args.
+    _install_hooks(migrate.alembic_ctx_kwargs)
     migrate.configure(configure)
     return migrate
-
-
-def _hide_own_tables(configure_args: dict[str, t.Any]) -> None:
-    existing = configure_args.get("include_object")
-    if existing is None:
-        configure_args["include_object"] = include_object
-    elif existing is not include_object and not getattr(existing, "_flask_idem", False):
-        chained = _chain(existing, include_object)
-        chained._flask_idem = True  # type: ignore[attr-defined]
-        configure_args["include_object"] = chained
 
 
 # -- flask idem db ... (standalone) -----------------------------------------------------------
@@ -192,10 +327,7 @@ db_group = AppGroup(
 
 def _app_config() -> Config:
     """The standalone configuration on the application's flask_idem database."""
-    from .state import AppState
-
-    engine = AppState.current().store.engine
-    config = alembic_config(engine.url)
+    config = alembic_config(app_database())
     # Alembic binds sys.stdout when its module loads; print where click prints now.
     config.stdout = sys.stdout
     return config

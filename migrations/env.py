@@ -20,7 +20,11 @@ config = context.config
 def database_url() -> str:
     url = config.get_main_option("sqlalchemy.url") or os.environ.get("DATABASE_URL")
     if not url:
-        raise SystemExit("flask_idem migrations: set DATABASE_URL (or sqlalchemy.url)")
+        raise SystemExit(
+            "flask_idem migrations need a database: pass url= to flask_idem.migrate.upgrade() "
+            "or downgrade() (or call them in an app context of an application with Idempotency "
+            "or Flask-SQLAlchemy), or set DATABASE_URL (sqlalchemy.url for alembic)"
+        )
     return url
 
 

@@ -1,4 +1,5 @@
-"""The migration builds what table.py describes, and goes back down, on both databases."""
+"""The migration builds what table.py describes, and goes back down, on both databases; without
+a URL it finds the application's database."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
 
+from flask_idem import Idempotency
 from flask_idem.migrate import downgrade, upgrade
-from flask_idem.store import create_engine
+from flask_idem.store import create_engine, normalize_url
 from flask_idem.table import TABLE_NAME, VERSION_TABLE, metadata
 
 FUNCTIONS = {
@@ -139,3 +143,66 @@ def test_partition_granularity_is_configurable(
         assert [str(w) for w in widths] == ["7 days, 0:00:00"]
     finally:
         engine.dispose()
+
+
+def _tables(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        return set(sa.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def no_database_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``DATABASE_URL``, whatever the suite's server: it must not be what is migrated."""
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+
+
+@pytest.mark.usefixtures("no_database_url")
+def test_without_a_url_the_flask_sqlalchemy_database_is_migrated(empty_url: str) -> None:
+    """In an application context, upgrade() and downgrade() without a URL migrate the
+    database of the application's Flask-SQLAlchemy (they asked for DATABASE_URL)."""
+    app = Flask("orm")
+    # Spelled with its driver, as an application configures it (psycopg2 on PostgreSQL).
+    app.config["SQLALCHEMY_DATABASE_URI"] = normalize_url(empty_url).render_as_string(False)
+    db = SQLAlchemy(app)
+    with app.app_context():
+        try:
+            upgrade()
+            assert {TABLE_NAME, VERSION_TABLE} <= _tables(empty_url)
+            downgrade()
+            assert TABLE_NAME not in _tables(empty_url)
+        finally:
+            db.engine.dispose()
+
+
+@pytest.mark.usefixtures("no_database_url")
+def test_without_a_url_the_store_database_comes_first(empty_url: str, tmp_path: t.Any) -> None:
+    """With the extension on a database of its own, that one is migrated, not the
+    application's Flask-SQLAlchemy database."""
+    orm_url = f"sqlite:///{tmp_path}/orm.sqlite3"
+    app = Flask("own-database")
+    app.config.update(SQLALCHEMY_DATABASE_URI=orm_url, IDEMPOTENCY_DATABASE_URL=empty_url)
+    db = SQLAlchemy(app)
+    Idempotency(app)
+    with app.app_context():
+        try:
+            upgrade()
+            assert TABLE_NAME in _tables(empty_url)
+            assert TABLE_NAME not in _tables(orm_url)
+            downgrade()
+            assert TABLE_NAME not in _tables(empty_url)
+        finally:
+            db.engine.dispose()
+            app.extensions["idempotency"].store.engine.dispose()
+
+
+@pytest.mark.usefixtures("no_database_url")
+def test_without_any_database_the_error_says_what_to_pass() -> None:
+    """Outside an application context, or in one without a database, the error names the
+    ``url`` argument, the application context and ``DATABASE_URL``."""
+    with pytest.raises(SystemExit, match=r"pass url=.*app context.*DATABASE_URL"):
+        upgrade()
+    with Flask("bare").app_context(), pytest.raises(SystemExit, match="pass url="):
+        downgrade()

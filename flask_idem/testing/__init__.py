@@ -4,7 +4,8 @@
   (no claim, no database needed), for unit tests of the views themselves.
 * :func:`ready_store` gives a migrated store on SQLite (a temporary file) or on the test's
   PostgreSQL, emptied afterwards; the pytest plugin (:mod:`flask_idem.testing.plugin`, loaded
-  automatically once flask-idem is installed) wraps it as the ``idem_store`` fixture.
+  automatically once flask-idem is installed) wraps it as the ``idem_store`` fixture, and its
+  database as ``idem_database_url``.
 * :func:`count_runs` and :func:`assert_ran_once` check the property that matters: retries of
   one request ran the view once and got the first answer back.
 * :class:`flask_idem.testing.contract.StoreContract` is the store contract suite, for authors
