@@ -16,9 +16,10 @@ import sys
 import typing as t
 
 import click
+from flask import current_app
 from flask.cli import AppGroup
 
-from . import citus, signals, trail
+from . import check, citus, signals, trail
 from .audit import AuditReport, Discrepancy, DownstreamRecord, Finding, audit
 from .errors import IdempotencyError
 from .events import emit
@@ -102,6 +103,35 @@ def maintain(ahead: int | None, dry_run: bool, as_json: bool) -> None:
     else:
         partitioned = state.store.dialect == "postgresql"
         click.echo(_maintenance_text(report, partitioned=partitioned, audited=state.store.audit))
+
+
+@idem_group.command("check")
+@json_option
+def check_command(as_json: bool) -> None:
+    """Check that the database is ready for this flask_idem: schema, partitions, sessions.
+
+    One line per check, ok, warning or error: the database, the schema revision against this
+    package's head, on PostgreSQL the current partition and IDEMPOTENCY_PARTITIONS_AHEAD more,
+    and the session settings flask_idem relies on. Exits with status 1 on any error (a missing
+    or outdated schema, no partition for today, an isolation the claims refuse).
+    """
+    state = AppState.current()
+    findings = check.run(
+        state.store,
+        partitions_ahead=state.settings.partitions_ahead,
+        migrate=current_app.extensions.get("migrate"),
+    )
+    failed = any(finding.status is check.Status.ERROR for finding in findings)
+    if as_json:
+        listed = [
+            {"check": f.check, "status": f.status.value, "detail": f.detail} for f in findings
+        ]
+        _print_json({"ok": not failed, "checks": listed})
+    else:
+        for finding in findings:
+            click.echo(f"{finding.status.value:<8}{finding.check}: {finding.detail}")
+    if failed:
+        click.get_current_context().exit(1)
 
 
 def _maintenance_text(

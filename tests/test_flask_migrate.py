@@ -36,6 +36,7 @@ APP = textwrap.dedent(
     from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
     import flask_idem.migrate
+    from flask_idem import Idempotency
 
     class Base(DeclarativeBase):
         pass
@@ -57,6 +58,8 @@ APP = textwrap.dedent(
         app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["APP_DATABASE_URL"]
         db.init_app(app)
         migrate.init_app(app, db)
+        if os.environ.get("INCLUDE_IDEM"):
+            Idempotency(app, db=db)
         return app
     """
 )
@@ -129,6 +132,8 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(tmp_path: Path, app_url
     assert {"order", TABLE_NAME, "alembic_version"} <= tables
     assert VERSION_TABLE not in tables, "one version table: the application's"
     assert _versions(app_url) == {HEAD, app_revision}
+    checked = _flask(project, app_url, "idem", "check")
+    assert f"ok      schema: at {HEAD}, the head (alembic_version)" in checked
 
     # Autogenerate sees no difference: flask_idem's tables (and partitions) are not the app's.
     no_change = _flask(project, app_url, "db", "migrate", "-m", "nothing", "--head", app_revision)
@@ -140,12 +145,17 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(tmp_path: Path, app_url
     tables = _tables(app_url)
     assert TABLE_NAME not in tables and "order" in tables
     assert _versions(app_url) == {app_revision}
+    checked = _flask(project, app_url, "idem", "check", check=False)
+    assert "error   schema: flask_idem's tables are not migrated" in checked
 
     # After a merge revision, a plain `flask db upgrade` works too.
     _flask(project, app_url, "db", "merge", "heads", "-m", "include flask_idem")
     _flask(project, app_url, "db", "upgrade")
     assert TABLE_NAME in _tables(app_url)
     assert len(_versions(app_url)) == 1
+    # flask_idem's revision is now an ancestor of the merge: read from the app's history.
+    checked = _flask(project, app_url, "idem", "check")
+    assert f"ok      schema: at {HEAD}, the head (alembic_version)" in checked
 
 
 def test_flask_idem_db_commands_without_flask_migrate(app_url: str) -> None:

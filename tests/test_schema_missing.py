@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import typing as t
-from pathlib import Path
 
 import flask
 import pytest
@@ -15,24 +14,14 @@ from flask_idem import Idempotency, SchemaMissing, Scope, StoreUnavailable, crea
 from flask_idem.migrate import upgrade
 from flask_idem.store import SQLStore
 
-from .conftest import DIALECTS
-
 FP = b"\x01" * 32
 SCOPE = Scope("alpha", "POST /payments", "schema-secret-key")
 HINTS = ("flask idem db upgrade", "flask db upgrade heads")
 
 
-@pytest.fixture(params=DIALECTS)
-def blank_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A database flask_idem's migrations never ran on."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/blank.sqlite3"
-    return str(request.getfixturevalue("fresh_pg_database")())
-
-
 @pytest.fixture
-def blank_store(blank_url: str) -> t.Iterator[SQLStore]:
-    store = create_store(blank_url)
+def blank_store(unmigrated_url: str) -> t.Iterator[SQLStore]:
+    store = create_store(unmigrated_url)
     yield store
     store.engine.dispose()
 
@@ -63,9 +52,9 @@ def test_an_unmigrated_database_fails_closed_saying_how_to_migrate(
         assert "idempotency_keys" in _missing(call).reason
 
 
-def test_a_schema_older_than_the_code_says_how_to_migrate(blank_url: str) -> None:
-    upgrade(blank_url, "0004")  # before the audit trail (0005) and the reserving claim (0007)
-    store = create_store(blank_url)
+def test_a_schema_older_than_the_code_says_how_to_migrate(unmigrated_url: str) -> None:
+    upgrade(unmigrated_url, "0004")  # before the audit trail (0005) and the reserving claim (0007)
+    store = create_store(unmigrated_url)
     try:
         store.use_audit(True)
         audited = _missing(lambda: store.claim(SCOPE, FP, ttl=60, lease=30))
@@ -81,9 +70,9 @@ def test_a_schema_older_than_the_code_says_how_to_migrate(blank_url: str) -> Non
         store.engine.dispose()
 
 
-def test_a_missing_column_says_how_to_migrate(blank_url: str) -> None:
-    upgrade(blank_url)
-    store = create_store(blank_url)
+def test_a_missing_column_says_how_to_migrate(unmigrated_url: str) -> None:
+    upgrade(unmigrated_url)
+    store = create_store(unmigrated_url)
     try:
         with store.engine.begin() as conn:
             conn.execute(sa.text("ALTER TABLE idempotency_keys DROP COLUMN completed_at"))

@@ -156,6 +156,14 @@ _PARTITIONS_AHEAD = sa.text(
     "AND to_date(substring(c.relname FROM '[0-9]{8}$'), 'YYYYMMDD') > "
     "(now() AT TIME ZONE 'UTC')::date"
 )
+# The partition of idempotency_keys whose range holds the clock, read from the bounds (whatever
+# the granularity): none means new records land in DEFAULT.
+_BOUND = r"substring(pg_get_expr(c.relpartbound, c.oid) FROM $${0} \('([^']+)'\)$$)::timestamptz"
+_CURRENT_PARTITION = sa.text(
+    "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+    "WHERE i.inhparent = 'idempotency_keys'::regclass "
+    f"AND {_BOUND.format('FROM')} <= now() AND now() < {_BOUND.format('TO')}"
+)
 #: Expired rows deleted from DEFAULT per transaction.
 PURGE_BATCH = 5000
 #: How long upkeep waits for a lock that claims need too (claims queue behind the wait).
@@ -582,6 +590,12 @@ class PostgresStore(SQLStore):
     def partitions_ahead(self) -> int | None:
         with translate_errors(), self.engine.connect() as conn:
             return int(conn.execute(_PARTITIONS_AHEAD).scalar_one())
+
+    def current_partition(self) -> str | None:
+        """The partition that receives the records claimed now; None when they go to DEFAULT
+        (upkeep fell behind: ``flask idem maintain``)."""
+        with translate_errors(), self.engine.connect() as conn:
+            return conn.execute(_CURRENT_PARTITION).scalar()
 
     def _maintenance_step(self, statement: sa.TextClause, **parameters: t.Any) -> list[str]:
         with translate_errors(), self.engine.begin() as conn:
