@@ -269,6 +269,13 @@ class PostgresStore(SQLStore):
         ended = sa.func.coalesce(table.c.completed_at, table.c.lease_expires_at, table.c.created_at)
         return self.now() - ended < table.c.expires_at - table.c.created_at
 
+    def scope_hash(self) -> sa.ColumnElement[str]:
+        # key_hash(): SHA-256 over tenant, endpoint and key joined by U+001F, 16 hex digits.
+        separator = sa.func.chr(31, type_=sa.String)
+        material = table.c.tenant + separator + table.c.endpoint + separator + table.c.key
+        digest = sa.func.sha256(sa.func.convert_to(material, "UTF8", type_=sa.LargeBinary))
+        return sa.func.substr(sa.func.encode(digest, "hex", type_=sa.String), 1, 16)
+
     @contextlib.contextmanager
     def connect(self) -> t.Iterator[sa.Connection]:
         """A pooled connection in autocommit (:class:`_Autocommit`): no BEGIN/COMMIT round

@@ -520,10 +520,24 @@ class SQLStore(Store):
     def _scoped_returning(self) -> list[sa.ColumnElement[t.Any]]:
         return [table.c.tenant, table.c.endpoint, table.c.key, *self._returning()]
 
+    @abc.abstractmethod
+    def scope_hash(self) -> sa.ColumnElement[str]:
+        """Each row's key hash (:func:`flask_idem.keys.key_hash` of its scope), computed by
+        the database, for lookups by key hash."""
+
     def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
+        return self._find(tenant, table.c.key == key, endpoint)
+
+    def find_hashed(self, tenant: str, key_hash: str, endpoint: str | None = None) -> list[Record]:
+        # No index can serve it: every live record of the tenant is hashed (operators only).
+        return self._find(tenant, self.scope_hash() == key_hash, endpoint)
+
+    def _find(
+        self, tenant: str, match: sa.ColumnElement[bool], endpoint: str | None
+    ) -> list[Record]:
         statement = (
             sa.select(*self._scoped_returning())
-            .where(table.c.tenant == tenant, table.c.key == key, self._alive())
+            .where(table.c.tenant == tenant, match, self._alive())
             .order_by(table.c.created_at)
         )
         if endpoint is not None:
@@ -698,12 +712,22 @@ class SQLStore(Store):
         )
 
     def history(self, tenant: str, key: str, endpoint: str | None = None) -> list[AuditEntry]:
+        return self._history(
+            tenant, audit_table.c.lookup == trail.lookup_digest(tenant, key), endpoint
+        )
+
+    def history_hashed(
+        self, tenant: str, key_hash: str, endpoint: str | None = None
+    ) -> list[AuditEntry]:
+        # Not indexed: reads every audit row of the tenant (operators only).
+        return self._history(tenant, audit_table.c.key_hash == key_hash, endpoint)
+
+    def _history(
+        self, tenant: str, match: sa.ColumnElement[bool], endpoint: str | None
+    ) -> list[AuditEntry]:
         statement = (
             sa.select(*(audit_table.c[name] for name in AUDIT_COLUMNS))
-            .where(
-                audit_table.c.tenant == tenant,
-                audit_table.c.lookup == trail.lookup_digest(tenant, key),
-            )
+            .where(audit_table.c.tenant == tenant, match)
             .order_by(audit_table.c.occurred_at, audit_table.c.seq)
         )
         if endpoint is not None:
