@@ -13,6 +13,7 @@ from .errors import (
     JobOutcomePending,
     JobResultNotStored,
     JobResultUnreadable,
+    SchemaMissing,
     StoreUnavailable,
 )
 from .extension import Idempotency
@@ -49,6 +50,7 @@ __all__ = [
     "Problem",
     "Record",
     "Reservation",
+    "SchemaMissing",
     "Scope",
     "Settlement",
     "State",

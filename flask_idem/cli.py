@@ -4,7 +4,8 @@ next-day audit against downstream services, distribution over Citus and encrypti
 Every command prints for a terminal by default and JSON with ``--json`` (for scripts and
 alerting), and exits non-zero when the store fails. Raw keys are printed only with
 ``--show-keys`` (elsewhere a record is named by its key hash, the ``key_hash`` of the logs and
-signals); stored bodies only with ``IDEMPOTENCY_INSPECT_BODIES``.
+signals) and never read from the command line (standard input, or the key hash); stored bodies
+only with ``IDEMPOTENCY_INSPECT_BODIES``.
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import re
 import sys
 import typing as t
 
 import click
+from flask import current_app
 from flask.cli import AppGroup
 
-from . import citus, signals, trail
+from . import check, citus, signals, trail
 from .audit import AuditReport, Discrepancy, DownstreamRecord, Finding, audit
 from .errors import IdempotencyError
 from .events import emit
-from .keys import key_hash
+from .keys import InvalidKey, key_hash, normalize
 from .migrate import db_group
 from .reconcile import Action, Settlement, reconcile
 from .record import KeyUsage, MaintenanceReport, Record, Scope, State
@@ -35,6 +38,8 @@ P = t.ParamSpec("P")
 
 #: Reconciliations of more records than this show a progress bar (on stderr).
 PROGRESS_AFTER = 20
+#: A key hash as logs, signals and these commands print it (:func:`flask_idem.keys.key_hash`).
+KEY_HASH = re.compile(r"[0-9a-f]{16}")
 
 idem_group = AppGroup(
     "idem", help="Operate flask_idem: partitions, stuck requests, inspection, reconciliation."
@@ -59,17 +64,57 @@ def _store_errors(command: t.Callable[P, None]) -> t.Callable[P, None]:
     return wrapper
 
 
+def _hash_argument(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """KEY_HASH as given, refused when it is not a key hash: a raw key, most likely."""
+    if value is None or KEY_HASH.fullmatch(value):
+        return value
+    raise click.BadParameter(
+        "not a key hash (16 hex digits, as logs and `flask idem stuck` print it). Never put a "
+        "raw key on the command line: every user sees it in `ps`, and shell history keeps it. "
+        "Leave KEY_HASH out and type the key at the hidden prompt, or pipe it in: "
+        f"printf '%s\\n' \"$KEY\" | {ctx.command_path} --tenant ...",
+        param_hint="KEY_HASH",
+    )
+
+
+#: The argument naming a record by key hash; without it the key is read from standard input.
+key_hash_argument = click.argument(
+    "hashed", required=False, metavar="[KEY_HASH]", callback=_hash_argument
+)
+
+
 def _key_lookup(command: t.Callable[P, None]) -> t.Callable[P, None]:
-    """KEY, --tenant and an optional --endpoint: one key's records (``show``, ``history``)."""
+    """[KEY_HASH], --tenant and an optional --endpoint: one key's records (``show``,
+    ``history``)."""
     for decorate in (
         click.option(
             "--endpoint", help='Only this endpoint, as records spell it: "POST /v1/payments".'
         ),
         click.option("--tenant", required=True, help="The tenant the key belongs to."),
-        click.argument("key"),
+        key_hash_argument,
     ):
         command = decorate(command)
     return command
+
+
+def _read_key() -> str:
+    """The raw key, from standard input: a hidden prompt on a terminal, else its first line.
+
+    :raises click.UsageError: there is no key there, or it is not a valid key.
+    """
+    if sys.stdin.isatty():
+        value = click.prompt("Idempotency key", hide_input=True, err=True)
+    else:
+        value = sys.stdin.readline()
+        if not value:
+            raise click.UsageError(
+                "no key on standard input: pipe it in, type it at the prompt of a terminal, "
+                "or give its KEY_HASH"
+            )
+    try:
+        return normalize(value.rstrip("\r\n"))
+    except InvalidKey as exc:
+        raise click.UsageError(f"the key on standard input: {exc}") from None
 
 
 def _print_json(data: t.Any) -> None:
@@ -102,6 +147,35 @@ def maintain(ahead: int | None, dry_run: bool, as_json: bool) -> None:
     else:
         partitioned = state.store.dialect == "postgresql"
         click.echo(_maintenance_text(report, partitioned=partitioned, audited=state.store.audit))
+
+
+@idem_group.command("check")
+@json_option
+def check_command(as_json: bool) -> None:
+    """Check that the database is ready for this flask_idem: schema, partitions, sessions.
+
+    One line per check, ok, warning or error: the database, the schema revision against this
+    package's head, on PostgreSQL the current partition and IDEMPOTENCY_PARTITIONS_AHEAD more,
+    and the session settings flask_idem relies on. Exits with status 1 on any error (a missing
+    or outdated schema, no partition for today, an isolation the claims refuse).
+    """
+    state = AppState.current()
+    findings = check.run(
+        state.store,
+        partitions_ahead=state.settings.partitions_ahead,
+        migrate=current_app.extensions.get("migrate"),
+    )
+    failed = any(finding.status is check.Status.ERROR for finding in findings)
+    if as_json:
+        listed = [
+            {"check": f.check, "status": f.status.value, "detail": f.detail} for f in findings
+        ]
+        _print_json({"ok": not failed, "checks": listed})
+    else:
+        for finding in findings:
+            click.echo(f"{finding.status.value:<8}{finding.check}: {finding.detail}")
+    if failed:
+        click.get_current_context().exit(1)
 
 
 def _maintenance_text(
@@ -219,18 +293,29 @@ def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
     click.echo(summary)
 
 
-@idem_group.command()
+#: How each command reads the key, for the help texts.
+_KEY_HELP = (
+    "The key is read from standard input (a hidden prompt on a terminal): never on the "
+    "command line, where ps and shell history show it. Or name the record by its KEY_HASH."
+)
+
+
+@idem_group.command(epilog=_KEY_HELP)
 @_key_lookup
 @json_option
 @_store_errors
-def show(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
-    """Show the records of KEY (state, times, stored status).
+def show(hashed: str | None, tenant: str, endpoint: str | None, as_json: bool) -> None:
+    """Show the records of a key (state, times, stored status).
 
-    One record per endpoint the tenant used KEY on, with its key hash, fingerprint and lease.
-    Stored bodies and headers only with IDEMPOTENCY_INSPECT_BODIES.
+    One record per endpoint the tenant used the key on (KEY_HASH: its one endpoint), with its
+    key hash, fingerprint and lease. Stored bodies and headers only with
+    IDEMPOTENCY_INSPECT_BODIES.
     """
     state = AppState.current()
-    records = state.store.find(tenant, key, endpoint)
+    if hashed is None:
+        records = state.store.find(tenant, _read_key(), endpoint)
+    else:
+        records = state.store.find_hashed(tenant, hashed, endpoint)
     schema = record_schema(bodies=state.settings.inspect_bodies, keys=False, many=True)
     if as_json:
         _print_json(schema.dump(records))
@@ -240,18 +325,22 @@ def show(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
         raise click.ClickException("no live record of this key for this tenant")
 
 
-@idem_group.command()
+@idem_group.command(epilog=_KEY_HELP)
 @_key_lookup
 @json_option
 @_store_errors
-def history(key: str, tenant: str, endpoint: str | None, as_json: bool) -> None:
-    """Print the audit trail of KEY: every transition of its records, oldest first.
+def history(hashed: str | None, tenant: str, endpoint: str | None, as_json: bool) -> None:
+    """Print the audit trail of a key: every transition of its records, oldest first.
 
-    Needs IDEMPOTENCY_AUDIT (rows are written only while it is on). Covers expired records
-    too, for as long as IDEMPOTENCY_AUDIT_RETENTION keeps their rows. Exit 1 if none.
+    On every endpoint the tenant used the key on (KEY_HASH: its one endpoint). Needs
+    IDEMPOTENCY_AUDIT (rows are written only while it is on). Covers expired records too, for
+    as long as IDEMPOTENCY_AUDIT_RETENTION keeps their rows. Exit 1 if none.
     """
     state = AppState.current()
-    entries = state.store.history(tenant, key, endpoint)
+    if hashed is None:
+        entries = state.store.history(tenant, _read_key(), endpoint)
+    else:
+        entries = state.store.history_hashed(tenant, hashed, endpoint)
     if as_json:
         _print_json([entry.as_json() for entry in entries])
     elif entries:
@@ -295,8 +384,8 @@ def metrics_command() -> None:
     click.echo(prometheus_client.generate_latest(registry).decode(), nl=False)
 
 
-@idem_group.command()
-@click.argument("key")
+@idem_group.command(epilog=_KEY_HELP)
+@key_hash_argument
 @click.option("--tenant", required=True, help="The tenant the key belongs to.")
 @click.option("--endpoint", required=True, help='As records spell it: "POST /v1/payments".')
 @click.option(
@@ -309,21 +398,26 @@ def metrics_command() -> None:
 @json_option
 @_store_errors
 def release(
-    key: str, tenant: str, endpoint: str, not_happened: bool, yes: bool, as_json: bool
+    hashed: str | None, tenant: str, endpoint: str, not_happened: bool, yes: bool, as_json: bool
 ) -> None:
-    """Let a retry of KEY run its operation again.
+    """Let a retry of a key run its operation again.
 
     A stuck record (unknown, or in progress past its lease) is reopened: the next retry runs
     the view again as the same operation, with the same downstream keys, so a provider that
     deduplicates on them charges once. With --not-happened (your verdict that it did not take
     place) the record is forgotten instead. Completed and running records are refused.
-    Prefer flask idem reconcile, which asks the endpoint's reconciler.
+    Prefer flask idem reconcile, which asks the endpoint's reconciler. With the key piped in
+    and no --yes, the confirmation is read from the next line.
     """
     state = AppState.current()
-    scope = Scope(tenant, endpoint, key)
-    record = state.store.get(scope)
+    if hashed is None:
+        record = state.store.get(Scope(tenant, endpoint, _read_key()))
+    else:
+        found = state.store.find_hashed(tenant, hashed, endpoint)
+        record = found[-1] if found else None  # the newest, as get() returns it
     if record is None:
         raise click.ClickException("no live record of this key for this tenant and endpoint")
+    scope = record.scope
     stuck = record.state is State.UNKNOWN or record.lease_expired
     if not (stuck or (not_happened and record.state is State.REOPENED)):
         raise click.ClickException(_refusal(record))

@@ -10,6 +10,31 @@ class IdempotencyError(Exception):
 class StoreUnavailable(IdempotencyError):
     """The store could not be reached or failed; callers must fail closed (never run the view)."""
 
+    #: What the 503 may tell the client beyond "cannot be reached", or None: a failure whose
+    #: cause is known and has a fix (:class:`SchemaMissing`) says so.
+    detail: str | None = None
+
+
+#: What to do about a missing or outdated schema, in logs, CLI errors and 503 answers.
+UPGRADE_HINT = "run `flask idem db upgrade` (or `flask db upgrade heads` with Flask-Migrate)"
+
+
+class SchemaMissing(StoreUnavailable):
+    """A store statement failed because flask_idem's table, function or column is missing:
+    the database was never migrated, or not since flask_idem was upgraded.
+
+    Callers fail closed as for any store failure; the message and :attr:`detail` say how to
+    migrate, where a bare 503 would read like an outage.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"flask_idem's schema is missing or outdated ({reason}): {UPGRADE_HINT}")
+        #: The database's own words (names a table, function or column, never a value).
+        self.reason = reason
+        self.detail = (
+            f"The idempotency store is not migrated: {UPGRADE_HINT}. The request was not executed."
+        )
+
 
 class ConfigurationError(IdempotencyError, ValueError):
     """An ``IDEMPOTENCY_*`` setting or constructor argument is invalid."""

@@ -8,22 +8,29 @@ nothing: releasing and reconciling stay in ``flask idem``.
 
 Who may see it is the application's decision: ``Idempotency(operator=...)`` or
 ``@idem.operator_access`` registers a callable, called after the application's own hooks,
-that returns None or False (403), a tenant or a collection of tenants, or True for every
-tenant. Without one the page does not exist (404). Records of other tenants are never read:
-the tenants go into the queries. Stored bodies appear only with ``IDEMPOTENCY_INSPECT_BODIES``.
-Server-rendered (Jinja), no JavaScript; the answer is never cached and may not be framed.
+that returns None or False (403), a tenant (a string) or a collection of tenants (strings; an
+empty one is 403), or True for every tenant. Anything else (a number, bytes, a mapping, a
+user object, a collection holding something other than strings) is the callable's bug, not a
+decision: it is logged as a :class:`~flask_idem.errors.ConfigurationError` and answered 500
+``internal-error``, never guessed at. Without a callable the page does not exist (404).
+Records of other tenants are never read: the tenants go into the queries. Stored bodies
+appear only with ``IDEMPOTENCY_INSPECT_BODIES``. Server-rendered (Jinja), no JavaScript; the
+answer is never cached and may not be framed.
 """
 
 from __future__ import annotations
 
+import collections.abc
+import logging
 import typing as t
 
 from flask import Blueprint, render_template, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import Forbidden
 
-from .errors import StoreUnavailable
+from .errors import ConfigurationError, StoreUnavailable
 from .keys import InvalidKey, key_hash, normalize
+from .problem import InternalError
 from .serialization import record_schema
 from .state import AppState
 
@@ -34,6 +41,9 @@ if t.TYPE_CHECKING:
 #: tenant, or a collection of tenants.
 Access = bool | str | t.Collection[str] | None
 OperatorAccess = t.Callable[[], Access]
+
+log = logging.getLogger("flask_idem")
+_REFUSED = "You may not see the idempotency operator page."
 
 #: Stuck records listed on the page.
 LIST_LIMIT = 200
@@ -47,21 +57,35 @@ _HEADERS = {
 }
 
 
-def allowed_tenants(access: Access) -> frozenset[str] | None:
+def allowed_tenants(access: object) -> frozenset[str] | None:
     """The tenants ``access`` grants (None: every tenant).
 
-    :raises Forbidden: it grants nothing.
+    :raises Forbidden: it grants nothing (None, False, an empty string or collection).
+    :raises ConfigurationError: it is none of those values, nor True, a tenant or a collection
+        of tenants; the message names its type only (it may be a user object).
     """
     if access is True:
         return None
-    if not access:
-        raise Forbidden("You may not see the idempotency operator page.")
+    if access is None or access is False or access == "":
+        raise Forbidden(_REFUSED)
     if isinstance(access, str):
         return frozenset({access})
-    tenants = frozenset(str(tenant) for tenant in access)
-    if not tenants:
-        raise Forbidden("You may not see the idempotency operator page.")
-    return tenants
+    if isinstance(access, collections.abc.Collection) and not isinstance(
+        access, (bytes, bytearray, collections.abc.Mapping)
+    ):
+        tenants = frozenset(access)
+        if all(isinstance(tenant, str) and tenant for tenant in tenants):
+            if not tenants:
+                raise Forbidden(_REFUSED)
+            return t.cast("frozenset[str]", tenants)
+        kinds = sorted({type(tenant).__name__ for tenant in tenants})
+        got = f"{type(access).__name__} of {', '.join(kinds)}"
+    else:
+        got = type(access).__name__
+    raise ConfigurationError(
+        f"the operator_access callable returned {got}: return None or False (refused), True "
+        "(every tenant), a tenant (a non-empty string) or a collection of tenants (strings)"
+    )
 
 
 def register(blueprint: Blueprint, extension: Idempotency) -> None:
@@ -71,7 +95,13 @@ def register(blueprint: Blueprint, extension: Idempotency) -> None:
     @extension.exempt
     def operator_page() -> ResponseReturnValue:
         assert extension.operator is not None
-        tenants = allowed_tenants(extension.operator())
+        try:
+            tenants = allowed_tenants(extension.operator())
+        except ConfigurationError as exc:
+            log.error("%s", exc)
+            return InternalError(
+                "The operator page's authorization is misconfigured; see the server log."
+            ).get_response()
         state = AppState.current()
         context: dict[str, t.Any] = {
             "tenants": sorted(tenants) if tenants is not None else None,

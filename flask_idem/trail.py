@@ -9,7 +9,8 @@ not audited: they are events and metrics, and auditing them would turn the cheap
 into a durable write that any client holding a key could repeat at will.
 
 No key and no body is stored. ``lookup`` is SHA-256 over (tenant, key), so whoever knows the
-key finds its timeline (``flask idem history KEY --tenant T``), and a copy of the table shows
+key finds its timeline (``flask idem history --tenant T``, the key on standard input; or by
+``key_hash``, which rows carry as the logs do), and a copy of the table shows
 no key: audit rows outlive the keys' TTL by years (as long as the ledger), and keys are
 client-chosen values that sometimes carry order numbers or e-mail addresses. A guessable key
 (``order-42``) can still be confirmed by hashing guesses: treat the table as confidential.

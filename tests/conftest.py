@@ -80,6 +80,14 @@ def db_url(request: pytest.FixtureRequest) -> str:
     )
 
 
+@pytest.fixture(params=DIALECTS)
+def unmigrated_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A new database flask_idem's migrations never ran on, once for each dialect."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/unmigrated.sqlite3"
+    return str(request.getfixturevalue("fresh_pg_database")())
+
+
 @pytest.fixture
 def store(db_url: str) -> t.Iterator[SQLStore]:
     """An empty store on each dialect."""

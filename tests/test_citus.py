@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope, StoredResponse, citus
 from flask_idem.citus import Step
+from flask_idem.keys import key_hash
 from flask_idem.store import SQLStore, Store, create_engine, create_store
 
 from .conftest import Counter, shift
@@ -52,7 +53,7 @@ CROSS_TENANT = {
 
 
 #: Every store primitive: the abstract ones, and the reserved record's completion.
-PRIMITIVES = {*Store.__abstractmethods__, "complete_reserved"}
+PRIMITIVES = {*Store.__abstractmethods__, "complete_reserved", "find_hashed", "history_hashed"}
 
 
 class Captured(t.NamedTuple):
@@ -106,6 +107,7 @@ def exercise(store: SQLStore) -> None:
     store.get(a)
     store.find("tenant-a", "k0")
     store.find("tenant-a", "k0", endpoint="POST /p")
+    store.find_hashed("tenant-a", key_hash(a), endpoint="POST /p")
     shift(store, a, 31, "lease_expires_at")
     store.stuck()
     takeover = store.take_over(a, first.token, lease=30)
@@ -140,6 +142,7 @@ def exercise(store: SQLStore) -> None:
     day = first.record.created_at
     assert store.created_between(day, day + dt.timedelta(days=1), endpoints=["POST /p"])
     store.history("tenant-a", "k0")
+    store.history_hashed("tenant-a", key_hash(a))
     store.health()
     store.key_usage()
     store.evict(a)

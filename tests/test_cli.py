@@ -1,4 +1,5 @@
-"""``flask idem maintain|stuck|show|release`` and start-up partition upkeep, on both databases.
+"""``flask idem maintain|stuck|show|history|release`` and start-up partition upkeep, on both
+databases.
 
 ``flask idem reconcile`` is covered with the reconcilers in ``test_reconcile.py``.
 """
@@ -8,8 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import pty
 import re
+import select
+import subprocess
+import sys
+import textwrap
 import typing as t
+from pathlib import Path
 
 import flask
 import pytest
@@ -18,6 +26,7 @@ from click.testing import Result
 
 from flask_idem import Idempotency, Scope, State, StoredResponse, create_store
 from flask_idem.keys import key_hash
+from flask_idem.migrate import upgrade
 from flask_idem.store import SQLStore
 
 from .conftest import Counter, shift
@@ -91,8 +100,8 @@ def test_store_failures_exit_non_zero_with_one_line(db_url: str) -> None:
     )
     app = flask.Flask("broken")
     Idempotency(app, store=broken, tenant=lambda: "alpha")
-    for args in (["maintain"], ["stuck"], ["show", "k", "--tenant", "t"], ["reconcile"]):
-        result = idem(app, *args)
+    for args in (["maintain"], ["stuck"], ["show", "--tenant", "t"], ["reconcile"]):
+        result = idem(app, *args, input="k\n")
         assert result.exit_code == 1, (args, result.output)
         assert "Error: idempotency store failed" in result.stderr
         assert "Traceback" not in result.output
@@ -270,7 +279,7 @@ def _value(text: str, name: str) -> str:
 def test_show_prints_state_timestamps_fingerprint_and_status(app_factory: Factory) -> None:
     app, _, _ = app_factory()
     _pay(app, "show-key")
-    result = idem(app, "show", "show-key", "--tenant", "alpha")
+    result = idem(app, "show", "--tenant", "alpha", input="show-key\n")
     assert result.exit_code == 0, result.output
     text = result.stdout
     assert _value(text, "endpoint") == PAYMENTS
@@ -281,7 +290,8 @@ def test_show_prints_state_timestamps_fingerprint_and_status(app_factory: Factor
     assert _value(text, "key hash") == key_hash(Scope("alpha", PAYMENTS, "show-key"))
     assert "pay_1" not in text, "stored bodies and headers only when configured"
     assert "show-key" not in text
-    record = json.loads(idem(app, "show", "show-key", "--tenant", "alpha", "--json").stdout)[0]
+    shown = idem(app, "show", "--tenant", "alpha", "--json", input="show-key\n")
+    record = json.loads(shown.stdout)[0]
     stored = app.extensions["idempotency"].store.get(Scope("alpha", PAYMENTS, "show-key"))
     assert record["fingerprint"] == stored.fingerprint.hex()
     assert record["first_seen"] == stored.created_at.isoformat()
@@ -298,26 +308,152 @@ def test_show_filters_by_endpoint_and_tenant(app_factory: Factory) -> None:
         app.test_client().post("/status/200", headers={"Idempotency-Key": "shared"}).status_code
         == 200
     )
-    both = json.loads(idem(app, "show", "shared", "--tenant", "alpha", "--json").stdout)
+    both = json.loads(idem(app, "show", "--tenant", "alpha", "--json", input="shared\n").stdout)
     assert [item["endpoint"] for item in both] == [PAYMENTS, "POST /status/<int:code>"]
-    one = idem(app, "show", "shared", "--tenant", "alpha", "--endpoint", PAYMENTS, "--json")
+    one = idem(app, "show", "--tenant", "alpha", "--endpoint", PAYMENTS, "--json", input="shared")
     assert [item["endpoint"] for item in json.loads(one.stdout)] == [PAYMENTS]
 
-    other = idem(app, "show", "shared", "--tenant", "beta")
+    other = idem(app, "show", "--tenant", "beta", input="shared\n")
     assert other.exit_code == 1
     assert other.stdout == ""
     assert "no live record of this key for this tenant" in other.stderr
-    assert json.loads(idem(app, "show", "nope", "--tenant", "alpha", "--json").stdout) == []
+    nope = idem(app, "show", "--tenant", "alpha", "--json", input="nope\n")
+    assert json.loads(nope.stdout) == []
 
 
 def test_show_prints_bodies_only_when_configured(app_factory: Factory) -> None:
     app, _, _ = app_factory(IDEMPOTENCY_INSPECT_BODIES=True)
     _pay(app, "body-key")
-    record = json.loads(idem(app, "show", "body-key", "--tenant", "alpha", "--json").stdout)[0]
+    shown = idem(app, "show", "--tenant", "alpha", "--json", input="body-key\n")
+    record = json.loads(shown.stdout)[0]
     assert json.loads(record["body"]) == {"id": "pay_1", "amount": 4200}
     assert record["body_encoding"] == "utf-8"
     assert ["Location", "/payments/pay_1"] in record["headers"]
-    assert "Location: /payments/pay_1" in idem(app, "show", "body-key", "--tenant", "alpha").stdout
+    text = idem(app, "show", "--tenant", "alpha", input="body-key\n").stdout
+    assert "Location: /payments/pay_1" in text
+
+
+# -- how a key is named: never on the command line ------------------------------------------
+
+
+def test_a_raw_key_on_the_command_line_is_refused(app_factory: Factory) -> None:
+    app, _, counter = app_factory(IDEMPOTENCY_AUDIT=True)
+    _pay(app, "cmdline-secret")
+    for args in (
+        ("show", "cmdline-secret", "--tenant", "alpha"),
+        ("history", "cmdline-secret", "--tenant", "alpha"),
+        ("release", "cmdline-secret", "--tenant", "alpha", "--endpoint", PAYMENTS, "--yes"),
+    ):
+        refused = idem(app, *args)
+        assert refused.exit_code == 2, (args, refused.output)
+        assert "Invalid value for KEY_HASH: not a key hash" in refused.stderr
+        assert "Never put a raw key on the command line" in refused.stderr
+        pipe = f"printf '%s\\n' \"$KEY\" | idem-test idem {args[0]} --tenant ..."
+        assert pipe in refused.stderr, "says how to pipe it in"
+        assert "cmdline-secret" not in refused.output, "never echoed back"
+        assert refused.stdout == ""
+    assert "Idempotent-Replayed" in _pay(app, "cmdline-secret").headers, "nothing released"
+    assert counter.calls == 1
+
+
+def test_records_are_named_by_their_key_hash(store: SQLStore) -> None:
+    app = flask.Flask("by-hash")
+    Idempotency(app, store=store, tenant=lambda: "alpha")
+    dead, unknown = _stuck_records(store)
+    listed = idem(app, "stuck").stdout
+    assert key_hash(dead) in listed, "the hash the operator copies from stuck"
+
+    (shown,) = json.loads(idem(app, "show", key_hash(dead), "--tenant", "alpha", "--json").stdout)
+    assert shown["key_hash"] == key_hash(dead) and shown["endpoint"] == PAYMENTS
+    assert shown["state"] == "in_progress" and shown["lease_expired"] is True
+    other = idem(app, "show", key_hash(unknown), "--tenant", "alpha")
+    assert other.exit_code == 1, "the hash of another tenant's key finds nothing"
+
+    args = ("release", key_hash(dead), "--tenant", "alpha", "--endpoint", PAYMENTS, "--yes")
+    released = idem(app, *args)
+    assert released.exit_code == 0, released.output
+    assert released.stdout == f"reopened {PAYMENTS} for alpha, key hash {key_hash(dead)}\n"
+    record = store.get(dead)
+    assert record is not None and record.state is State.REOPENED
+    assert idem(app, "release", "0" * 16, *args[2:]).exit_code == 1
+    # The database hashes as Python does, UTF-8 included.
+    accented = Scope("tënant-ü", PAYMENTS, "accented-tenant-key")
+    store.claim(accented, FP, ttl=3600, lease=30)
+    found = idem(app, "show", key_hash(accented), "--tenant", accented.tenant, "--json")
+    assert [item["key_hash"] for item in json.loads(found.stdout)] == [key_hash(accented)]
+
+
+def test_a_piped_key_must_be_there_and_valid(app_factory: Factory) -> None:
+    app, _, _ = app_factory()
+    _pay(app, "piped-key")
+    quoted = idem(app, "show", "--tenant", "alpha", "--json", input=' "piped-key"\r\n')
+    assert quoted.exit_code == 0 and len(json.loads(quoted.stdout)) == 1, "as a header spells it"
+    empty = idem(app, "show", "--tenant", "alpha", input="")
+    assert empty.exit_code == 2 and "no key on standard input" in empty.stderr
+    invalid = idem(app, "show", "--tenant", "alpha", input="no spaces allowed\n")
+    assert invalid.exit_code == 2
+    assert "the key on standard input: an idempotency key is 1 to 255" in invalid.stderr
+
+
+def _read_until(fd: int, marker: bytes, timeout: float = 30.0) -> bytes:
+    seen = b""
+    while marker not in seen:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        assert ready, f"waited for {marker!r}, got {seen!r}"
+        chunk = os.read(fd, 4096)
+        assert chunk, f"closed before {marker!r}: {seen!r}"
+        seen += chunk
+    return seen
+
+
+def test_on_a_terminal_the_key_is_typed_at_a_prompt_that_does_not_echo(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/prompt.sqlite3"
+    upgrade(url)
+    store = create_store(url)
+    scope = Scope("alpha", PAYMENTS, "typed-secret-key")
+    store.claim(scope, FP, ttl=600, lease=30)
+    store.engine.dispose()
+    (tmp_path / "prompt_app.py").write_text(
+        textwrap.dedent(
+            f"""
+            import flask
+            from flask_idem import Idempotency
+
+            app = flask.Flask("prompt")
+            app.config["IDEMPOTENCY_DATABASE_URL"] = {url!r}
+            Idempotency(app, tenant=lambda: "alpha")
+            """
+        )
+    )
+    terminal, process_side = pty.openpty()
+    env = {key: value for key, value in os.environ.items() if key != "FLASK_APP"}
+    # A session of its own: no controlling terminal, so the prompt turns echo off on stdin,
+    # the terminal this test types into.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flask", "--app", "prompt_app", "idem", "show", "--tenant", "alpha"],
+        cwd=tmp_path,
+        env=env,
+        stdin=process_side,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert process.stderr is not None
+        prompt = _read_until(process.stderr.fileno(), b"Idempotency key: ")
+        os.write(terminal, b"typed-secret-key\n")
+        out, err = process.communicate(timeout=60)
+        ready, _, _ = select.select([terminal], [], [], 0)
+        echoed = os.read(terminal, 4096) if ready else b""
+    finally:
+        process.kill()
+        process.wait()
+        # Kept open until now: reading the terminal after the process ended is no error.
+        os.close(process_side)
+        os.close(terminal)
+    assert process.returncode == 0, (prompt, out, err)
+    assert _value(out.decode(), "key hash") == key_hash(scope)
+    assert b"typed-secret-key" not in echoed + out + prompt + err, "typed, never shown"
 
 
 # -- release ---------------------------------------------------------------------------------
@@ -327,8 +463,8 @@ def test_release_refuses_a_completed_operation(app_factory: Factory) -> None:
     app, _, counter = app_factory()
     _pay(app, "rel-key")
     for extra in ((), ("--not-happened",)):
-        args = ("release", "rel-key", "--tenant", "alpha", "--endpoint", PAYMENTS, *extra)
-        refused = idem(app, *args, input="y\n")
+        args = ("release", "--tenant", "alpha", "--endpoint", PAYMENTS, *extra)
+        refused = idem(app, *args, input="rel-key\ny\n")
         assert refused.exit_code == 1
         assert "it happened, and releasing it would run it a second time" in refused.stderr
         assert "Idempotent-Replayed" in _pay(app, "rel-key").headers, "nothing released"
@@ -350,13 +486,13 @@ def test_release_asks_first_then_reopens_as_the_same_operation(store: SQLStore) 
 
     client = app.test_client()
     assert client.post("/payments", headers={"Idempotency-Key": "rel-key"}).status_code == 500
-    args = ("release", "rel-key", "--tenant", "alpha", "--endpoint", PAYMENTS)
-    declined = idem(app, *args, input="n\n")
+    args = ("release", "--tenant", "alpha", "--endpoint", PAYMENTS)
+    declined = idem(app, *args, input="rel-key\nn\n")
     assert declined.exit_code == 1
     assert "The next retry runs it again as the same operation" in declined.stderr
     assert "Release this key? [y/N]" in declined.stderr
     assert declined.stdout == "", "the prompt goes to stderr"
-    accepted = idem(app, *args, input="y\n")
+    accepted = idem(app, *args, input="rel-key\ny\n")
     assert accepted.exit_code == 0, accepted.output
     scope = Scope("alpha", PAYMENTS, "rel-key")
     assert accepted.stdout == f"reopened POST /payments for alpha, key hash {key_hash(scope)}\n"
@@ -370,12 +506,12 @@ def test_release_with_yes_and_json(store: SQLStore) -> None:
     Idempotency(app, store=store, tenant=lambda: "alpha")
     scope = Scope("alpha", PAYMENTS, "unk")
     store.mark_unknown(scope, store.claim(scope, FP, ttl=60, lease=30).token)
-    args = ["release", "unk", "--tenant", "alpha", "--endpoint", PAYMENTS, "--not-happened"]
+    args = ["release", "--tenant", "alpha", "--endpoint", PAYMENTS, "--not-happened"]
 
-    warned = idem(app, *args, input="n\n")
+    warned = idem(app, *args, input="unk\nn\n")
     assert "The operation may have happened: a retry will execute it again." in warned.stderr
 
-    result = idem(app, *args, "--yes", "--json")
+    result = idem(app, *args, "--yes", "--json", input="unk\n")
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
     assert answer["released"] is True
@@ -383,7 +519,7 @@ def test_release_with_yes_and_json(store: SQLStore) -> None:
     assert answer["record"]["key_hash"] == key_hash(scope)
     assert store.get(scope) is None
 
-    missing = idem(app, *args, "--yes")
+    missing = idem(app, *args, "--yes", input="unk\n")
     assert missing.exit_code == 1
     assert "no live record of this key for this tenant and endpoint" in missing.stderr
 
@@ -393,13 +529,11 @@ def test_release_warns_about_a_running_request(store: SQLStore) -> None:
     Idempotency(app, store=store, tenant=lambda: "alpha")
     scope = Scope("alpha", PAYMENTS, "running")
     store.claim(scope, FP, ttl=60, lease=30)
-    result = idem(
-        app, "release", "running", "--tenant", "alpha", "--endpoint", PAYMENTS, input="n\n"
-    )
+    args = ("release", "--tenant", "alpha", "--endpoint", PAYMENTS)
+    result = idem(app, *args, input="running\nn\n")
     assert "Its request is still running" in result.stderr
     assert store.get(scope) is not None
-    args = ("release", "running", "--tenant", "alpha", "--endpoint", PAYMENTS)
-    forced = idem(app, *args, "--not-happened", "--yes")
+    forced = idem(app, *args, "--not-happened", "--yes", input="running\n")
     assert forced.exit_code == 1 and "Its request is still running" in forced.stderr
     assert store.get(scope) is not None, "a running retry is never forgotten under it"
 
@@ -410,6 +544,7 @@ def test_release_is_scoped_by_tenant(store: SQLStore) -> None:
     mine = Scope("alpha", PAYMENTS, "k")
     token = store.claim(mine, FP, ttl=60, lease=30).token
     store.complete(mine, token, StoredResponse(201, (), b"{}"))
-    result = idem(app, "release", "k", "--tenant", "beta", "--endpoint", PAYMENTS, "--yes")
+    args = ("release", "--tenant", "beta", "--endpoint", PAYMENTS, "--yes")
+    result = idem(app, *args, input="k\n")
     assert result.exit_code == 1
     assert store.get(mine) is not None

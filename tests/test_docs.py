@@ -1,9 +1,11 @@
-"""The documentation cannot drift from the code: configuration keys, problem types, README."""
+"""The documentation cannot drift from the code: configuration keys, problem types, README;
+and every page has the one title the site's navigation is built from."""
 
 from __future__ import annotations
 
 import inspect
 import re
+import typing as t
 from pathlib import Path
 
 from flask_idem import problem
@@ -11,6 +13,10 @@ from flask_idem.config import DEFAULTS
 
 DOCS = Path(__file__).parent.parent / "docs"
 ROW = re.compile(r"^\| `(IDEMPOTENCY_\w+)` \| `(.*?)` \| (.+) \|$", re.M)
+#: A fenced block opens with three or more backticks or tildes (MyST directives too).
+FENCE = re.compile(r"^(`{3,}|~{3,})")
+INCLUDE = re.compile(r"^[`~]{3,}\{include\}\s+(\S+)")
+START_LINE = re.compile(r"^:start-line:\s*(\d+)")
 
 
 def test_configuration_reference_lists_every_key_with_its_default() -> None:
@@ -46,3 +52,36 @@ def test_readme_starts_with_the_two_commands() -> None:
     readme = (DOCS.parent / "README.md").read_text().splitlines()
     commands = [line for line in readme[:12] if line.startswith("make ")]
     assert [line.split()[:2] for line in commands] == [["make", "run"], ["make", "test"]]
+
+
+def _titles(page: Path, start: int = 0) -> list[str]:
+    """The top-level (``# ``) headings of ``page`` from line ``start`` on, outside fenced
+    blocks, with those of the files it includes (``{include}``, from their ``:start-line:``)."""
+    titles: list[str] = []
+    fence: str | None = None
+    included: list[t.Any] | None = None
+    for line in page.read_text().splitlines()[start:]:
+        if fence is None:
+            opened = FENCE.match(line)
+            if opened:
+                fence = opened.group(1)
+                target = INCLUDE.match(line)
+                included = [page.parent / target.group(1), 0] if target else None
+            elif line.startswith("# "):
+                titles.append(line)
+        elif re.fullmatch(rf"{re.escape(fence[0])}{{{len(fence)},}}\s*", line):
+            if included is not None:
+                titles += _titles(included[0], included[1])
+            fence = None
+        elif included is not None and (found := START_LINE.match(line)):
+            included[1] = int(found.group(1))
+    return titles
+
+
+def test_every_page_has_exactly_one_title() -> None:
+    pages = sorted(path for path in DOCS.rglob("*.md") if "_build" not in path.parts)
+    assert DOCS / "changelog.md" in pages
+    wrong = {
+        str(page.relative_to(DOCS)): titles for page in pages if len(titles := _titles(page)) != 1
+    }
+    assert not wrong, f"one `# ` title per page (the navigation shows each): {wrong}"

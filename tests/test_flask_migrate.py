@@ -41,6 +41,7 @@ APP = textwrap.dedent(
     from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
     import flask_idem.migrate
+    from flask_idem import Idempotency
 
     class Base(DeclarativeBase):
         pass
@@ -69,6 +70,8 @@ APP = textwrap.dedent(
         app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["APP_DATABASE_URL"]
         db.init_app(app)
         migrate.init_app(app, db)
+        if os.environ.get("INCLUDE_IDEM"):
+            Idempotency(app, db=db)
         return app
     """
 )
@@ -186,6 +189,8 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
     assert {"order", TABLE_NAME, "alembic_version"} <= tables
     assert VERSION_TABLE not in tables, "one version table: the application's"
     assert _versions(app_url) == {HEAD, app_revision}
+    checked = _flask(project, app_url, "idem", "check")
+    assert f"ok      schema: at {HEAD}, the head (alembic_version)" in checked
 
     # Autogenerate sees no difference: flask_idem's tables (and partitions) are not the app's.
     no_change = _flask(project, app_url, "db", "migrate", "-m", "nothing", "--head", app_revision)
@@ -197,6 +202,8 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
     tables = _tables(app_url)
     assert TABLE_NAME not in tables and "order" in tables
     assert _versions(app_url) == {app_revision}
+    checked = _flask(project, app_url, "idem", "check", check=False)
+    assert "error   schema: flask_idem's tables are not migrated" in checked
 
     # After a merge revision, a plain `flask db upgrade` works too.
     _flask(project, app_url, "db", "merge", "heads", "-m", "include flask_idem")
@@ -205,6 +212,9 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
     assert len(_versions(app_url)) == 1
     assert len(_app_revisions(project)) == 2, "the merge is the application's"
     assert _revision_files(package_revisions) == package_before
+    # flask_idem's revision is now an ancestor of the merge: read from the app's history.
+    checked = _flask(project, app_url, "idem", "check")
+    assert f"ok      schema: at {HEAD}, the head (alembic_version)" in checked
 
 
 def _grow_a_new_application(project: Path, url: str, python: str = sys.executable) -> None:

@@ -1,10 +1,12 @@
 """The operator page of the sample app, in a real headless Chromium under gunicorn: stuck and
 unknown records of the operator's tenants only, a key's timeline found through a POST form
 (never in a URL), 403 without an operator session, 404 when the application gives no
-authorization. A screenshot goes to tests/artifacts/operator-page.png."""
+authorization, and what the authorization callable may return. A screenshot goes to
+tests/artifacts/operator-page.png."""
 
 from __future__ import annotations
 
+import logging
 import typing as t
 from pathlib import Path
 
@@ -127,3 +129,61 @@ def test_no_authorization_no_page(store: SQLStore) -> None:
 
     idem.init_app(allowed)
     assert allowed.test_client().get(PAGE).status_code == 403
+
+
+def _page_with(store: SQLStore, access: object) -> flask.Flask:
+    """An application whose operator authorization returns ``access``."""
+    app = flask.Flask("operator-contract")
+    idem = Idempotency(store=store, tenant=lambda: "alpha")
+    idem.operator_access(lambda: access)  # type: ignore[arg-type,return-value]
+    idem.init_app(app)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("access", "status", "listed"),
+    [
+        (True, 200, {"alpha", "beta"}),
+        ("alpha", 200, {"alpha"}),
+        (["alpha", "beta"], 200, {"alpha", "beta"}),
+        (frozenset({"beta"}), 200, {"beta"}),
+        (None, 403, set()),
+        (False, 403, set()),
+        ("", 403, set()),
+        ([], 403, set()),
+    ],
+)
+def test_what_the_authorization_may_return(
+    store: SQLStore, access: object, status: int, listed: set[str]
+) -> None:
+    scopes = {tenant: _unknown(store, tenant, f"contract-{tenant}") for tenant in ("alpha", "beta")}
+    answer = _page_with(store, access).test_client().get(PAGE)
+    assert answer.status_code == status
+    page = answer.get_data(as_text=True)
+    assert {tenant for tenant, scope in scopes.items() if key_hash(scope) in page} == listed
+
+
+@pytest.mark.parametrize(
+    ("access", "named"),
+    [
+        (1, "int"),
+        (0, "int"),
+        (2.5, "float"),
+        (b"alpha", "bytes"),
+        ({"alpha": True}, "dict"),
+        (["alpha", 7], "list of int, str"),
+        ({"alpha", ""}, "set of str"),
+        (object(), "object"),
+    ],
+)
+def test_anything_else_is_a_logged_configuration_error_and_a_500(
+    store: SQLStore, caplog: pytest.LogCaptureFixture, access: object, named: str
+) -> None:
+    scope = _unknown(store, "alpha", "contract-misconfigured")
+    with caplog.at_level(logging.ERROR, logger="flask_idem"):
+        answer = _page_with(store, access).test_client().get(PAGE)
+    assert answer.status_code == 500
+    assert answer.content_type == "application/problem+json"
+    assert answer.json is not None and answer.json["type"].endswith("/internal-error")
+    assert key_hash(scope) not in answer.get_data(as_text=True), "nothing of any tenant"
+    assert f"the operator_access callable returned {named}: return None or False" in caplog.text

@@ -1,16 +1,21 @@
 """The sample app's /metrics under gunicorn with 4 workers (multiprocess mode, the child_exit
 hook of ``sample_app/gunicorn_conf.py``): the counts add up to the requests sent, whichever
-worker answers the scrape, also after a worker was killed and replaced."""
+worker answers the scrape, also after a worker was killed and replaced; and that configuration
+never deletes what it did not make."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
+import tempfile
 import time
+import types
 import typing as t
 import uuid
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .sample_server import SampleServer, served
@@ -99,3 +104,47 @@ def test_counts_add_up_across_four_workers(
             assert found[("idempotency_unknown_records", "")] == 0
             assert found[("idempotency_partitions_ahead", "")] >= 7
         assert any(directory.iterdir()), "multiprocess mode: values live in files"
+
+
+def _load_config(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, directory: Path | None
+) -> types.ModuleType:
+    """``sample_app.gunicorn_conf`` as gunicorn loads it, with ``PROMETHEUS_MULTIPROC_DIR``
+    naming ``directory`` or unset; its own temporary directories go under ``tmp_path/tmp``."""
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    # Set (also to "" for unset) so that the variable is restored whatever the module does.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "" if directory is None else str(directory))
+    import sample_app.gunicorn_conf
+
+    return importlib.reload(sample_app.gunicorn_conf)
+
+
+def test_the_gunicorn_config_never_deletes_what_it_did_not_make(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    shared = tmp_path / "shared"
+    (shared / "keep").mkdir(parents=True)
+    metric_files = ["counter_4242.db", "gauge_livesum_4242.db", "histogram_4243.db"]
+    others = ["app.sqlite3", "notes.txt", "instance.db", "keep"]
+    for name in metric_files + others[:3]:
+        (shared / name).write_text("x")
+    config = _load_config(monkeypatch, tmp_path, shared)
+    assert os.listdir(tmp_path / "tmp") == [], "no directory of its own when one is named"
+
+    config.on_starting(None)
+    assert sorted(os.listdir(shared)) == sorted(others), "only prometheus_client's files go"
+    config.on_exit(None)
+    assert sorted(os.listdir(shared)) == sorted(others), "a named directory stays"
+
+
+def test_without_a_directory_the_config_makes_and_removes_its_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = _load_config(monkeypatch, tmp_path, None)
+    made = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    assert made.parent == tmp_path / "tmp" and made.is_dir()
+    config.on_starting(None)
+    (made / "counter_4242.db").write_text("x")  # what the workers write
+    config.on_exit(None)
+    assert not made.exists()

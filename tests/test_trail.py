@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope, StoredResponse, Verdict
+from flask_idem.keys import key_hash
 from flask_idem.record import Record
 from flask_idem.store import SQLStore
 
@@ -31,7 +32,7 @@ def _post(client: t.Any, key: str = SECRET, amount: int = 4200) -> t.Any:
 
 def _history(app: flask.Flask, key: str = SECRET, *args: str) -> list[dict[str, t.Any]]:
     result = app.test_cli_runner().invoke(
-        args=["idem", "history", key, "--tenant", "alpha", "--json", *args]
+        args=["idem", "history", "--tenant", "alpha", "--json", *args], input=f"{key}\n"
     )
     assert result.exit_code == 0, result.output
     return t.cast("list[dict[str, t.Any]]", json.loads(result.output))
@@ -86,14 +87,27 @@ def test_every_transition_is_one_row_and_answers_that_change_nothing_are_none(
     ]
     assert settled["detail"] == "provider shows ch_1"
     # Another tenant's key of the same value has a timeline of its own.
-    assert (
-        app.test_cli_runner().invoke(args=["idem", "history", SECRET, "--tenant", "beta"]).exit_code
-        == 1
+    other = app.test_cli_runner().invoke(
+        args=["idem", "history", "--tenant", "beta"], input=f"{SECRET}\n"
     )
+    assert other.exit_code == 1
     dumped = repr(_rows(store))
     assert SECRET not in dumped and "cus_SECRET_BODY" not in dumped
-    text = app.test_cli_runner().invoke(args=["idem", "history", SECRET, "--tenant", "alpha"])
+    text = app.test_cli_runner().invoke(
+        args=["idem", "history", "--tenant", "alpha"], input=f"{SECRET}\n"
+    )
     assert "claimed" in text.output and "reconciler" in text.output and SECRET not in text.output
+    # By key hash (as the logs carry it): one endpoint's timeline, with no key on the line.
+    hashed = key_hash(Scope("alpha", "POST /unknown", SECRET))
+    by_hash = app.test_cli_runner().invoke(
+        args=["idem", "history", hashed, "--tenant", "alpha", "--json"]
+    )
+    assert by_hash.exit_code == 0, by_hash.output
+    assert [(e["endpoint"], e["event"]) for e in json.loads(by_hash.stdout)] == [
+        ("POST /unknown", "claimed"),
+        ("POST /unknown", "unknown"),
+        ("POST /unknown", "completed"),
+    ]
 
 
 def test_operator_actions_are_audited(app_factory: Factory, store: SQLStore) -> None:
@@ -103,7 +117,8 @@ def test_operator_actions_are_audited(app_factory: Factory, store: SQLStore) -> 
     store.mark_unknown(scope, claim.token)
     runner = app.test_cli_runner()
     done = runner.invoke(
-        args=["idem", "release", SECRET, "--tenant", "alpha", "--endpoint", ENDPOINT, "--yes"]
+        args=["idem", "release", "--tenant", "alpha", "--endpoint", ENDPOINT, "--yes"],
+        input=f"{SECRET}\n",
     )
     assert done.exit_code == 0, done.output
     assert [(e["event"], e["actor"], e["detail"]) for e in _history(app)] == [

@@ -151,6 +151,15 @@ class Store(abc.ABC):
     def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
         """Live records of ``key`` in one tenant, on one endpoint or all (operators' view)."""
 
+    def find_hashed(self, tenant: str, key_hash: str, endpoint: str | None = None) -> list[Record]:
+        """:meth:`find` by the key hash logs and the CLI print (:func:`flask_idem.keys.key_hash`)
+        instead of the key, for operators who must not type raw keys into a shell. A key hash
+        names one endpoint's key.
+
+        :raises ConfigurationError: the store cannot (the default): look up by key instead.
+        """
+        raise ConfigurationError(f"{type(self).__name__} cannot look records up by key hash")
+
     @abc.abstractmethod
     def stuck(self, *, limit: int = 1000, tenants: t.Collection[str] | None = None) -> list[Record]:
         """Records in progress past their lease, records whose outcome is unknown and
@@ -213,6 +222,16 @@ class Store(abc.ABC):
     def history(self, tenant: str, key: str, endpoint: str | None = None) -> list[AuditEntry]:
         """The audit trail of ``key`` in one tenant (every record it ever had, expired ones
         included, as long as audit rows are kept), oldest first."""
+
+    def history_hashed(
+        self, tenant: str, key_hash: str, endpoint: str | None = None
+    ) -> list[AuditEntry]:
+        """:meth:`history` by key hash (see :meth:`find_hashed`): the audit trail of one
+        endpoint's key.
+
+        :raises ConfigurationError: the store cannot (the default): look up by key instead.
+        """
+        raise ConfigurationError(f"{type(self).__name__} cannot look audit rows up by key hash")
 
     @abc.abstractmethod
     def key_usage(self) -> list[KeyUsage]:

@@ -156,6 +156,14 @@ _PARTITIONS_AHEAD = sa.text(
     "AND to_date(substring(c.relname FROM '[0-9]{8}$'), 'YYYYMMDD') > "
     "(now() AT TIME ZONE 'UTC')::date"
 )
+# The partition of idempotency_keys whose range holds the clock, read from the bounds (whatever
+# the granularity): none means new records land in DEFAULT.
+_BOUND = r"substring(pg_get_expr(c.relpartbound, c.oid) FROM $${0} \('([^']+)'\)$$)::timestamptz"
+_CURRENT_PARTITION = sa.text(
+    "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+    "WHERE i.inhparent = 'idempotency_keys'::regclass "
+    f"AND {_BOUND.format('FROM')} <= now() AND now() < {_BOUND.format('TO')}"
+)
 #: Expired rows deleted from DEFAULT per transaction.
 PURGE_BATCH = 5000
 #: How long upkeep waits for a lock that claims need too (claims queue behind the wait).
@@ -260,6 +268,13 @@ class PostgresStore(SQLStore):
         # once the statement's clock is a constant.
         ended = sa.func.coalesce(table.c.completed_at, table.c.lease_expires_at, table.c.created_at)
         return self.now() - ended < table.c.expires_at - table.c.created_at
+
+    def scope_hash(self) -> sa.ColumnElement[str]:
+        # key_hash(): SHA-256 over tenant, endpoint and key joined by U+001F, 16 hex digits.
+        separator = sa.func.chr(31, type_=sa.String)
+        material = table.c.tenant + separator + table.c.endpoint + separator + table.c.key
+        digest = sa.func.sha256(sa.func.convert_to(material, "UTF8", type_=sa.LargeBinary))
+        return sa.func.substr(sa.func.encode(digest, "hex", type_=sa.String), 1, 16)
 
     @contextlib.contextmanager
     def connect(self) -> t.Iterator[sa.Connection]:
@@ -582,6 +597,12 @@ class PostgresStore(SQLStore):
     def partitions_ahead(self) -> int | None:
         with translate_errors(), self.engine.connect() as conn:
             return int(conn.execute(_PARTITIONS_AHEAD).scalar_one())
+
+    def current_partition(self) -> str | None:
+        """The partition that receives the records claimed now; None when they go to DEFAULT
+        (upkeep fell behind: ``flask idem maintain``)."""
+        with translate_errors(), self.engine.connect() as conn:
+            return conn.execute(_CURRENT_PARTITION).scalar()
 
     def _maintenance_step(self, statement: sa.TextClause, **parameters: t.Any) -> list[str]:
         with translate_errors(), self.engine.begin() as conn:

@@ -11,6 +11,7 @@ import abc
 import contextlib
 import datetime as dt
 import functools
+import logging
 import secrets
 import typing as t
 
@@ -18,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from .. import trail
-from ..errors import StoreUnavailable, UnreadableResponse
+from ..errors import SchemaMissing, StoreUnavailable, UnreadableResponse
 from ..keys import key_hash
 from ..record import ClaimResult, Health, KeyUsage, Record, Scope, State, StoredResponse
 from ..sealing import KEY_ID_OFFSET, KEY_ID_SIZE, MAGIC, Sealer, key_id_of
@@ -67,14 +68,47 @@ HEADERS_TYPE = sa.JSON(none_as_null=True).with_variant(
 #: Reads every layout (plain, compressed, encrypted with a configured key).
 _READER = Sealer()
 
+log = logging.getLogger("flask_idem")
+
+
+#: PostgreSQL's SQLSTATEs for a statement naming what the database lacks: undefined_table,
+#: undefined_function (also a function whose arguments changed), undefined_column.
+_UNDEFINED = frozenset({"42P01", "42883", "42703"})
+#: How SQLite's messages for the same begin.
+_SQLITE_UNDEFINED = ("no such table:", "no such column:")
+
 
 @contextlib.contextmanager
 def translate_errors() -> t.Iterator[None]:
-    """Re-raise every database failure as ``StoreUnavailable``: callers fail closed on it."""
+    """Re-raise every database failure as ``StoreUnavailable``: callers fail closed on it.
+
+    A statement that failed on a missing table, function or column raises
+    :class:`SchemaMissing` and logs how to migrate: a database never migrated, or not since
+    flask_idem was upgraded, would otherwise look like an outage.
+    """
     try:
         yield
     except sa.exc.SQLAlchemyError as exc:
-        raise StoreUnavailable(f"idempotency store failed: {type(exc).__name__}") from exc
+        reason = _undefined(exc)
+        if reason is None:
+            raise StoreUnavailable(f"idempotency store failed: {type(exc).__name__}") from exc
+        missing = SchemaMissing(reason)
+        log.error("%s", missing)
+        raise missing from exc
+
+
+def _undefined(exc: sa.exc.SQLAlchemyError) -> str | None:
+    """What the failed statement found missing, in the database's words, or None.
+
+    Only the server's primary message: it names a table, function or column, never a value
+    (the full error carries the statement).
+    """
+    driver_error = getattr(exc, "orig", None)
+    if getattr(driver_error, "pgcode", None) in _UNDEFINED:
+        return str(driver_error.diag.message_primary)  # type: ignore[union-attr]
+    if isinstance(exc, sa.exc.OperationalError) and str(driver_error).startswith(_SQLITE_UNDEFINED):
+        return str(driver_error)
+    return None
 
 
 def _aware(value: dt.datetime | None) -> dt.datetime | None:
@@ -486,10 +520,24 @@ class SQLStore(Store):
     def _scoped_returning(self) -> list[sa.ColumnElement[t.Any]]:
         return [table.c.tenant, table.c.endpoint, table.c.key, *self._returning()]
 
+    @abc.abstractmethod
+    def scope_hash(self) -> sa.ColumnElement[str]:
+        """Each row's key hash (:func:`flask_idem.keys.key_hash` of its scope), computed by
+        the database, for lookups by key hash."""
+
     def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
+        return self._find(tenant, table.c.key == key, endpoint)
+
+    def find_hashed(self, tenant: str, key_hash: str, endpoint: str | None = None) -> list[Record]:
+        # No index can serve it: every live record of the tenant is hashed (operators only).
+        return self._find(tenant, self.scope_hash() == key_hash, endpoint)
+
+    def _find(
+        self, tenant: str, match: sa.ColumnElement[bool], endpoint: str | None
+    ) -> list[Record]:
         statement = (
             sa.select(*self._scoped_returning())
-            .where(table.c.tenant == tenant, table.c.key == key, self._alive())
+            .where(table.c.tenant == tenant, match, self._alive())
             .order_by(table.c.created_at)
         )
         if endpoint is not None:
@@ -664,12 +712,22 @@ class SQLStore(Store):
         )
 
     def history(self, tenant: str, key: str, endpoint: str | None = None) -> list[AuditEntry]:
+        return self._history(
+            tenant, audit_table.c.lookup == trail.lookup_digest(tenant, key), endpoint
+        )
+
+    def history_hashed(
+        self, tenant: str, key_hash: str, endpoint: str | None = None
+    ) -> list[AuditEntry]:
+        # Not indexed: reads every audit row of the tenant (operators only).
+        return self._history(tenant, audit_table.c.key_hash == key_hash, endpoint)
+
+    def _history(
+        self, tenant: str, match: sa.ColumnElement[bool], endpoint: str | None
+    ) -> list[AuditEntry]:
         statement = (
             sa.select(*(audit_table.c[name] for name in AUDIT_COLUMNS))
-            .where(
-                audit_table.c.tenant == tenant,
-                audit_table.c.lookup == trail.lookup_digest(tenant, key),
-            )
+            .where(audit_table.c.tenant == tenant, match)
             .order_by(audit_table.c.occurred_at, audit_table.c.seq)
         )
         if endpoint is not None:

@@ -12,6 +12,7 @@ import typing as t
 
 import sqlalchemy as sa
 
+from ..keys import key_hash
 from ..record import ClaimResult, MaintenanceReport, Scope, State
 from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
@@ -20,6 +21,8 @@ from .sql import Outcome, SQLStore, new_token, record_from_row, translate_errors
 # The database clock, in the text layout SQLAlchemy uses for DateTime on SQLite (so that string
 # comparison is time comparison): microseconds padded from SQLite's milliseconds.
 _CLOCK = "strftime('%Y-%m-%d %H:%M:%f', 'now'{modifier}) || '000'"
+#: The SQL function each connection gets for :func:`flask_idem.keys.key_hash`.
+_SCOPE_HASH = "flask_idem_key_hash"
 
 
 def configure_engine(engine: sa.Engine) -> None:
@@ -37,12 +40,18 @@ def configure_engine(engine: sa.Engine) -> None:
 
 def _on_connect(dbapi_connection: t.Any, _record: t.Any) -> None:
     dbapi_connection.isolation_level = None
+    # SQLite has no SHA-256 of its own: lookups by key hash call Python's (SQLiteStore.scope_hash).
+    dbapi_connection.create_function(_SCOPE_HASH, 3, _scope_hash, deterministic=True)
     # No PRAGMA busy_timeout: pysqlite's ``timeout`` (5 s by default, the statement timeout of
     # flask_idem's engines) already bounds lock waits. It must stay well below a server's
     # worker timeout (gunicorn: 30 s), or a locked file kills the worker before the 503.
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode = WAL")
     cursor.close()
+
+
+def _scope_hash(tenant: str, endpoint: str, key: str) -> str:
+    return key_hash(Scope(tenant, endpoint, key))
 
 
 def _begin_immediate(connection: sa.Connection) -> None:
@@ -70,6 +79,11 @@ class SQLiteStore(SQLStore):
         return julianday(ended) + julianday(table.c.expires_at) - julianday(
             table.c.created_at
         ) > julianday("now")
+
+    def scope_hash(self) -> sa.ColumnElement[str]:
+        return sa.Function(
+            _SCOPE_HASH, table.c.tenant, table.c.endpoint, table.c.key, type_=sa.String
+        )
 
     def connect(self) -> t.ContextManager[sa.Connection]:
         return self.engine.begin()
