@@ -269,11 +269,8 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
             assert isinstance(result, ClaimResult)
             if not result.claimed:
                 result = answer_existing(app_state, result.record, digest, options, deadline)
-        except StoreUnavailable:
-            emit(signals.store_unavailable, scope, stage="claim")
-            raise StoreUnavailableProblem(
-                "The idempotency store cannot be reached; the request was not executed."
-            ) from None
+        except StoreUnavailable as exc:
+            raise _claim_failed(scope, exc) from None
         if isinstance(result, Response):
             return result
         if result is not None:
@@ -314,11 +311,8 @@ def _claim_atomic(
                 if answer is not None:  # a reopened record: run it again, durably owned
                     own(app_state, state, answer, app_state.settings.lease)
                     return None
-        except StoreUnavailable:
-            emit(signals.store_unavailable, state.scope, stage="claim")
-            raise StoreUnavailableProblem(
-                "The idempotency store cannot be reached; the request was not executed."
-            ) from None
+        except StoreUnavailable as exc:
+            raise _claim_failed(state.scope, exc) from None
         if time.monotonic() >= deadline:
             emit(signals.conflict, state.scope)
             raise RequestInProgress(
@@ -326,6 +320,15 @@ def _claim_atomic(
                 retry_after=IN_FLIGHT_RETRY_AFTER,
             )
         time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
+
+
+def _claim_failed(scope: Scope, error: StoreUnavailable) -> StoreUnavailableProblem:
+    """The 503 of a claim the store failed: fail closed, saying how to migrate when the schema
+    is missing (:class:`~flask_idem.errors.SchemaMissing`)."""
+    emit(signals.store_unavailable, scope, stage="claim")
+    return StoreUnavailableProblem(
+        error.detail or "The idempotency store cannot be reached; the request was not executed."
+    )
 
 
 def forbid_atomic_commits(engine: sa.Engine) -> None:
@@ -690,7 +693,8 @@ def internal_error(error: InternalServerError) -> ResponseReturnValue:
 def store_unavailable(error: StoreUnavailable) -> ResponseReturnValue:
     log.error("idempotency store unavailable during the request: %s", error)
     return StoreUnavailableProblem(
-        "The database cannot be reached; the request was not completed. Retry later."
+        error.detail
+        or "The database cannot be reached; the request was not completed. Retry later."
     ).get_response()
 
 

@@ -99,4 +99,4 @@ def test_a_protected_request_answers_503_and_the_log_says_how_to_migrate(
     assert response.status_code == 503 and calls == [], "fail closed: the view never ran"
     assert response.json is not None and response.json["type"].endswith("/store-unavailable")
     for hint in HINTS:
-        assert hint in caplog.text
+        assert hint in caplog.text and hint in response.json["detail"]
