@@ -1,0 +1,167 @@
+"""Every Python block of README.md and docs/ runs in the suite (Sybil): the docs are what a
+stranger copies.
+
+Each page is one program: its blocks run top to bottom in one namespace of their own, visible
+ones and the page's invisible setup and check blocks alike (``<!-- invisible-code-block:
+python`` HTML comments, which neither GitHub nor Sphinx shows). A page runs in a temporary
+directory of its own, so a relative ``sqlite:///app.sqlite3`` (and a Flask app's instance
+folder) is a fresh file there; its environment variables, loggers, patched attributes, fake
+modules and open engines are put back or disposed of after its last block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import types
+import typing as t
+from doctest import ELLIPSIS, NORMALIZE_WHITESPACE
+from pathlib import Path
+
+import pytest
+from sybil import Sybil
+from sybil.evaluators.doctest import DocTestEvaluator
+from sybil.parsers.abstract.doctest import DocTestStringParser
+from sybil.parsers.myst import CodeBlockParser, PythonCodeBlockParser
+
+ROOT = Path(__file__).parent
+
+
+class PyconParser(PythonCodeBlockParser):
+    """```pycon blocks: interactive sessions, checked as doctests."""
+
+    def __init__(self) -> None:
+        self.doctest_parser = DocTestStringParser(DocTestEvaluator(ELLIPSIS | NORMALIZE_WHITESPACE))
+        self.codeblock_parser = CodeBlockParser("pycon", self._not_a_session)
+
+    @staticmethod
+    def _not_a_session(example: t.Any) -> None:
+        raise AssertionError("a pycon block must start with '>>> '")
+
+
+class Page:
+    """What a page's invisible blocks may use (as ``page``) to reach outside their namespace,
+    each undone after the page's last block."""
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="flask-idem-docs-"))
+        self._undo = contextlib.ExitStack()
+
+    def patch(self, target: object, name: str, value: object) -> None:
+        """Set ``target.name`` (a fake transport, say) until the page ends."""
+        missing = object()
+        old = getattr(target, name, missing)
+        setattr(target, name, value)
+        self._undo.callback(
+            lambda: delattr(target, name) if old is missing else setattr(target, name, old)
+        )
+
+    def module(self, name: str, **attributes: t.Any) -> types.ModuleType:
+        """A fake importable module (a broker client the suite does not install)."""
+        module = types.ModuleType(name)
+        vars(module).update(attributes)
+        old = sys.modules.get(name)
+        sys.modules[name] = module
+        self._undo.callback(
+            lambda: sys.modules.pop(name) if old is None else sys.modules.update({name: old})
+        )
+        return module
+
+    @contextlib.contextmanager
+    def xfail(self, reason: str) -> t.Iterator[None]:
+        """A documented claim that is false today: the block fails as expected (xfail), and
+        fails the suite once it passes (strict), so that the marker goes with the bug."""
+        try:
+            yield
+        except Exception as exc:
+            pytest.xfail(f"{reason} ({type(exc).__name__}: {exc})")
+        pytest.fail(f"[XPASS(strict)] {reason}: remove page.xfail() from the block")
+
+    def close(self) -> None:
+        self._undo.close()
+
+
+def _loggers() -> dict[str, tuple[int, bool, list[logging.Handler], bool]]:
+    loggers = [logging.getLogger()] + [
+        logger
+        for logger in logging.Logger.manager.loggerDict.values()
+        if isinstance(logger, logging.Logger)
+    ]
+    return {
+        logger.name: (logger.level, logger.disabled, list(logger.handlers), logger.propagate)
+        for logger in loggers
+    }
+
+
+def _restore_loggers(saved: dict[str, tuple[int, bool, list[logging.Handler], bool]]) -> None:
+    # Alembic's env.py of a Flask-Migrate history runs logging.config.fileConfig, which
+    # disables every logger that exists and replaces the root handlers.
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        if not isinstance(logger, logging.Logger):
+            continue
+        level, disabled, handlers, propagate = saved.get(logger.name, (0, False, [], True))
+        logger.setLevel(level)
+        logger.disabled = disabled
+        logger.handlers[:] = handlers
+        logger.propagate = propagate
+
+
+def setup(namespace: dict[str, t.Any]) -> None:
+    page = Page()
+    namespace.update(
+        # Flask(__name__) roots an app in the current directory when the name is no module.
+        __name__="docs_page",
+        page=page,
+        __saved__=(os.getcwd(), dict(os.environ), _loggers()),
+    )
+    os.chdir(page.directory)
+
+
+def teardown(namespace: dict[str, t.Any]) -> None:
+    cwd, environ, loggers = namespace["__saved__"]
+    page: Page = namespace["page"]
+    try:
+        page.close()
+        _dispose(namespace)
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+        _restore_loggers(loggers)
+        shutil.rmtree(page.directory, ignore_errors=True)
+
+
+def _dispose(namespace: dict[str, t.Any]) -> None:
+    """Close the engines the page's apps and stores opened (no connection outlives a page)."""
+    import sqlalchemy as sa
+    from flask import Flask
+
+    from flask_idem import Store
+
+    for value in list(namespace.values()):
+        if isinstance(value, Flask):
+            state = value.extensions.get("idempotency")
+            if state is not None:
+                state.store.engine.dispose()
+            sqlalchemy = value.extensions.get("sqlalchemy")
+            if sqlalchemy is not None:
+                with value.app_context():
+                    for engine in sqlalchemy.engines.values():
+                        engine.dispose()
+        if isinstance(value, Store):
+            value.engine.dispose()
+        if isinstance(value, sa.Engine):
+            value.dispose()
+
+
+pytest_collect_file = Sybil(
+    parsers=[PythonCodeBlockParser(), PyconParser()],
+    patterns=["README.md", "docs/*.md", "docs/problems/*.md"],
+    excludes=["docs/_build/*"],
+    setup=setup,
+    teardown=teardown,
+).pytest()
