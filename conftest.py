@@ -25,10 +25,24 @@ from pathlib import Path
 import pytest
 from sybil import Sybil
 from sybil.evaluators.doctest import DocTestEvaluator
+from sybil.evaluators.python import PythonEvaluator
 from sybil.parsers.abstract.doctest import DocTestStringParser
 from sybil.parsers.myst import CodeBlockParser, PythonCodeBlockParser
 
-ROOT = Path(__file__).parent
+T = t.TypeVar("T")
+
+
+class PythonParser(PythonCodeBlockParser):
+    """```python blocks (and invisible ones), each kept in ``page.blocks`` as it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.codeblock_parser = CodeBlockParser("python", self._evaluate)
+        self._python = PythonEvaluator()
+
+    def _evaluate(self, example: t.Any) -> None:
+        example.namespace["page"].blocks.append(str(example.parsed))
+        self._python(example)
 
 
 class PyconParser(PythonCodeBlockParser):
@@ -49,6 +63,8 @@ class Page:
 
     def __init__(self) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="flask-idem-docs-"))
+        #: The source of every Python block run so far, in order.
+        self.blocks: list[str] = []
         self._undo = contextlib.ExitStack()
 
     def patch(self, target: object, name: str, value: object) -> None:
@@ -70,6 +86,26 @@ class Page:
             lambda: sys.modules.pop(name) if old is None else sys.modules.update({name: old})
         )
         return module
+
+    def block(self, text: str) -> str:
+        """The source of the one earlier block (before the running one) containing ``text``."""
+        (found,) = [block for block in self.blocks[:-1] if text in block]
+        return found
+
+    def importable(self, name: str, source: str) -> Path:
+        """Write the module ``name`` (the application a page's tests import) into the page's
+        directory and make it importable, in this process and in its children."""
+        path = self.directory / f"{name}.py"
+        path.write_text(source)
+        if str(self.directory) not in sys.path:
+            sys.path.insert(0, str(self.directory))
+            self._undo.callback(sys.path.remove, str(self.directory))
+        self._undo.callback(sys.modules.pop, name, None)
+        return path
+
+    def enter(self, context: t.ContextManager[T]) -> T:
+        """Enter ``context`` (a ready store, say) until the page ends."""
+        return self._undo.enter_context(context)
 
     @contextlib.contextmanager
     def xfail(self, reason: str) -> t.Iterator[None]:
@@ -159,7 +195,7 @@ def _dispose(namespace: dict[str, t.Any]) -> None:
 
 
 pytest_collect_file = Sybil(
-    parsers=[PythonCodeBlockParser(), PyconParser()],
+    parsers=[PythonParser(), PyconParser()],
     patterns=["README.md", "docs/*.md", "docs/problems/*.md"],
     excludes=["docs/_build/*"],
     setup=setup,
