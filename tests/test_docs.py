@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -11,6 +12,11 @@ from flask_idem.config import DEFAULTS
 
 DOCS = Path(__file__).parent.parent / "docs"
 ROW = re.compile(r"^\| `(IDEMPOTENCY_\w+)` \| `(.*?)` \| (.+) \|$", re.M)
+#: The pages whose Python blocks the suite runs (conftest.py at the root of the repository).
+PAGES = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md")), *sorted(DOCS.glob("problems/*.md"))]
+FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})(.*)$", re.M)
+#: Spellings of Python that Sybil's parsers would not collect, so never run.
+UNCOLLECTED_PYTHON = {"py", "py3", "python3", "ipython", "pycon3", "python-console"}
 
 
 def test_configuration_reference_lists_every_key_with_its_default() -> None:
@@ -46,3 +52,41 @@ def test_readme_starts_with_the_two_commands() -> None:
     readme = (DOCS.parent / "README.md").read_text().splitlines()
     commands = [line for line in readme[:12] if line.startswith("make ")]
     assert [line.split()[:2] for line in commands] == [["make", "run"], ["make", "test"]]
+
+
+def _fences(text: str) -> list[str]:
+    """The info string of every opening fence in ``text``."""
+    infos, opened = [], None
+    for match in FENCE.finditer(text):
+        fence, info = match.group(1), match.group(2).strip()
+        if opened is None:
+            opened = fence
+            infos.append(info)
+        elif fence[0] == opened[0] and len(fence) >= len(opened) and not info:
+            opened = None
+    return infos
+
+
+def test_every_code_block_says_its_language() -> None:
+    """A block without a language, or with a spelling of Python the suite does not collect,
+    would be copied by a stranger without ever having run."""
+    for page in PAGES:
+        for info in _fences(page.read_text()):
+            assert info, f"{page.name}: a fenced block without a language (use text)"
+            language = info.split()[0]
+            assert language.lower() not in UNCOLLECTED_PYTHON, f"{page.name}: ```{language}"
+            assert language == language.lower(), f"{page.name}: ```{language}"
+
+
+def test_every_problem_page_shows_its_document() -> None:
+    base = DEFAULTS["IDEMPOTENCY_PROBLEM_BASE"]
+    for cls in _problems():
+        page = (DOCS / "problems" / f"{cls.problem}.md").read_text()
+        (example,) = re.findall(r"^```json\n(.*?)^```$", page, re.M | re.S)
+        document = json.loads(example)
+        assert list(document) == ["type", "title", "status", "detail", "instance"], cls.problem
+        assert (document["type"], document["title"], document["status"]) == (
+            f"{base}{cls.problem}",
+            cls.title,
+            cls.code,
+        )
