@@ -65,6 +65,7 @@ class Page:
         self.directory = Path(tempfile.mkdtemp(prefix="flask-idem-docs-"))
         #: The source of every Python block run so far, in order.
         self.blocks: list[str] = []
+        self._saved = (os.getcwd(), dict(os.environ), _loggers())
         self._undo = contextlib.ExitStack()
 
     def patch(self, target: object, name: str, value: object) -> None:
@@ -109,16 +110,28 @@ class Page:
 
     @contextlib.contextmanager
     def xfail(self, reason: str) -> t.Iterator[None]:
-        """A documented claim that is false today: the block fails as expected (xfail), and
-        fails the suite once it passes (strict), so that the marker goes with the bug."""
+        """A documented claim that is false today: its failed assertion is an xfail, and the
+        block fails the suite once it passes (strict), so that the marker goes with the bug.
+        Any other exception is a failure as usual."""
         try:
             yield
-        except Exception as exc:
-            pytest.xfail(f"{reason} ({type(exc).__name__}: {exc})")
+        except AssertionError as exc:
+            pytest.xfail(f"{reason} (AssertionError: {exc})")
         pytest.fail(f"[XPASS(strict)] {reason}: remove page.xfail() from the block")
 
     def close(self) -> None:
         self._undo.close()
+
+    def restore(self) -> None:
+        """Put back the working directory, the environment and the loggers; remove the
+        page's directory."""
+        cwd, environ, loggers = self._saved
+        os.chdir(cwd)
+        for name in set(os.environ) - set(environ) - {"PYTEST_CURRENT_TEST"}:
+            del os.environ[name]
+        os.environ.update({k: v for k, v in environ.items() if k != "PYTEST_CURRENT_TEST"})
+        _restore_loggers(loggers)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _loggers() -> dict[str, tuple[int, bool, list[logging.Handler], bool]]:
@@ -148,27 +161,18 @@ def _restore_loggers(saved: dict[str, tuple[int, bool, list[logging.Handler], bo
 
 def setup(namespace: dict[str, t.Any]) -> None:
     page = Page()
-    namespace.update(
-        # Flask(__name__) roots an app in the current directory when the name is no module.
-        __name__="docs_page",
-        page=page,
-        __saved__=(os.getcwd(), dict(os.environ), _loggers()),
-    )
+    # Flask(__name__) roots an app in the current directory when the name is no module.
+    namespace.update(__name__="docs_page", page=page)
     os.chdir(page.directory)
 
 
 def teardown(namespace: dict[str, t.Any]) -> None:
-    cwd, environ, loggers = namespace["__saved__"]
     page: Page = namespace["page"]
     try:
         page.close()
         _dispose(namespace)
     finally:
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(environ)
-        _restore_loggers(loggers)
-        shutil.rmtree(page.directory, ignore_errors=True)
+        page.restore()
 
 
 def _dispose(namespace: dict[str, t.Any]) -> None:
