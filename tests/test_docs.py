@@ -4,6 +4,7 @@ and every page has the one title the site's navigation is built from."""
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import typing as t
 from pathlib import Path
@@ -14,9 +15,14 @@ from flask_idem.config import DEFAULTS
 DOCS = Path(__file__).parent.parent / "docs"
 ROW = re.compile(r"^\| `(IDEMPOTENCY_\w+)` \| `(.*?)` \| (.+) \|$", re.M)
 #: A fenced block opens with three or more backticks or tildes (MyST directives too).
-FENCE = re.compile(r"^(`{3,}|~{3,})")
+TITLE_FENCE = re.compile(r"^(`{3,}|~{3,})")
 INCLUDE = re.compile(r"^[`~]{3,}\{include\}\s+(\S+)")
 START_LINE = re.compile(r"^:start-line:\s*(\d+)")
+#: The pages whose Python blocks the suite runs (conftest.py at the root of the repository).
+PAGES = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md")), *sorted(DOCS.glob("problems/*.md"))]
+FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})(.*)$", re.M)
+#: Spellings of Python that Sybil's parsers would not collect, so never run.
+UNCOLLECTED_PYTHON = {"py", "py3", "python3", "ipython", "pycon3", "python-console"}
 
 
 def test_configuration_reference_lists_every_key_with_its_default() -> None:
@@ -62,7 +68,7 @@ def _titles(page: Path, start: int = 0) -> list[str]:
     included: list[t.Any] | None = None
     for line in page.read_text().splitlines()[start:]:
         if fence is None:
-            opened = FENCE.match(line)
+            opened = TITLE_FENCE.match(line)
             if opened:
                 fence = opened.group(1)
                 target = INCLUDE.match(line)
@@ -85,3 +91,41 @@ def test_every_page_has_exactly_one_title() -> None:
         str(page.relative_to(DOCS)): titles for page in pages if len(titles := _titles(page)) != 1
     }
     assert not wrong, f"one `# ` title per page (the navigation shows each): {wrong}"
+
+
+def _fences(text: str) -> list[str]:
+    """The info string of every opening fence in ``text``."""
+    infos, opened = [], None
+    for match in FENCE.finditer(text):
+        fence, info = match.group(1), match.group(2).strip()
+        if opened is None:
+            opened = fence
+            infos.append(info)
+        elif fence[0] == opened[0] and len(fence) >= len(opened) and not info:
+            opened = None
+    return infos
+
+
+def test_every_code_block_says_its_language() -> None:
+    """A block without a language, or with a spelling of Python the suite does not collect,
+    would be copied by a stranger without ever having run."""
+    for page in PAGES:
+        for info in _fences(page.read_text()):
+            assert info, f"{page.name}: a fenced block without a language (use text)"
+            language = info.split()[0]
+            assert language.lower() not in UNCOLLECTED_PYTHON, f"{page.name}: ```{language}"
+            assert language == language.lower(), f"{page.name}: ```{language}"
+
+
+def test_every_problem_page_shows_its_document() -> None:
+    base = DEFAULTS["IDEMPOTENCY_PROBLEM_BASE"]
+    for cls in _problems():
+        page = (DOCS / "problems" / f"{cls.problem}.md").read_text()
+        (example,) = re.findall(r"^```json\n(.*?)^```$", page, re.M | re.S)
+        document = json.loads(example)
+        assert list(document) == ["type", "title", "status", "detail", "instance"], cls.problem
+        assert (document["type"], document["title"], document["status"]) == (
+            f"{base}{cls.problem}",
+            cls.title,
+            cls.code,
+        )
