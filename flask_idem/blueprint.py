@@ -94,10 +94,9 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
         schema = request_schema(bodies=state.settings.inspect_bodies, many=True)
         return {"requests": schema.dump(records)}, 200, [_NO_STORE]
 
-    if extension.operator is not None:
-        from . import operator
+    from . import operator
 
-        operator.register(blueprint, extension)
+    operator.register(blueprint, extension)
     return blueprint
 
 

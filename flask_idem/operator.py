@@ -26,7 +26,7 @@ import typing as t
 
 from flask import Blueprint, render_template, request
 from flask.typing import ResponseReturnValue
-from werkzeug.exceptions import Forbidden
+from werkzeug.exceptions import Forbidden, NotFound
 
 from .errors import ConfigurationError, StoreUnavailable
 from .keys import InvalidKey, key_hash, normalize
@@ -89,12 +89,14 @@ def allowed_tenants(access: object) -> frozenset[str] | None:
 
 
 def register(blueprint: Blueprint, extension: Idempotency) -> None:
-    """Add the page to the inspection blueprint (only when an authorization is registered)."""
+    """Add the page to the inspection blueprint. It exists only while an authorization is
+    registered, whenever that happened (before or after ``init_app``): else 404."""
 
     @blueprint.route("/operator", methods=["GET", "POST"])
     @extension.exempt
     def operator_page() -> ResponseReturnValue:
-        assert extension.operator is not None
+        if extension.operator is None:
+            raise NotFound()
         try:
             tenants = allowed_tenants(extension.operator())
         except ConfigurationError as exc:

@@ -62,11 +62,16 @@ def test_readme_starts_with_the_two_commands() -> None:
 
 def _titles(page: Path, start: int = 0) -> list[str]:
     """The top-level (``# ``) headings of ``page`` from line ``start`` on, outside fenced
-    blocks, with those of the files it includes (``{include}``, from their ``:start-line:``)."""
+    blocks and HTML comments (the suite's invisible code blocks), with those of the files it
+    includes (``{include}``, from their ``:start-line:``)."""
     titles: list[str] = []
     fence: str | None = None
     included: list[t.Any] | None = None
+    comment = False
     for line in page.read_text().splitlines()[start:]:
+        if comment or (fence is None and line.startswith("<!--")):
+            comment = "-->" not in line
+            continue
         if fence is None:
             opened = TITLE_FENCE.match(line)
             if opened:
