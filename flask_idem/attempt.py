@@ -79,6 +79,12 @@ def own(app_state: AppState, state: RequestState, claim: ClaimResult, lease: flo
     assert state.scope is not None
     state.token = claim.token
     state.record = claim.record
+    if claim.taken_over:
+        # An earlier attempt of this operation may have had its effect: this one can never
+        # prove that nothing happened. Releasing would delete the record, and the next retry
+        # would run under a new one, with new downstream keys: a second charge. A failure of
+        # a re-run (a refusal included) leaves the record unknown, the same row and keys.
+        state.contacted = True
     state.watch = app_state.keeper.watch(claim.record, lease)
     if app_state.sessions is not None:
         app_state.attach_session(state)  # db.session carries the business writes

@@ -198,12 +198,14 @@ class SampleServer:
         """The provider's log: one ``<tenant> <downstream key>`` line per charge attempt."""
         return self.provider_log.read_text().splitlines()
 
-    def flask(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """``flask --app sample_app ARGS`` against the server's database (an operator's shell)."""
+    def flask(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        """``flask --app sample_app ARGS`` against the server's database (an operator's shell);
+        ``stdin`` is piped in (a key, which never goes on the command line)."""
         return subprocess.run(
             [str(Path(sys.executable).with_name("flask")), "--app", "sample_app", *args],
             cwd=ROOT,
             env={**os.environ, "DATABASE_URL": self.url},
+            input=stdin,
             capture_output=True,
             text=True,
             timeout=60,

@@ -143,8 +143,10 @@ def _set_body(store: SQLStore, key: str, tenant: str, body: bytes) -> None:
         )
 
 
-def _idem(app: flask.Flask, *args: str) -> Result:
-    return app.test_cli_runner().invoke(args=["idem", *args])
+def _idem(app: flask.Flask, *args: str, key: str | None = None) -> Result:
+    """``flask idem ARGS``; ``key`` goes to standard input, never on the command line."""
+    stdin = None if key is None else f"{key}\n"
+    return app.test_cli_runner().invoke(args=["idem", *args], input=stdin)
 
 
 def _keys_json(app: flask.Flask) -> dict[str, t.Any]:
@@ -439,7 +441,7 @@ def test_a_missing_key_answers_a_problem_and_never_reexecutes(
         assert secret not in logged
     # Operators see why; the tenant's view no longer promises a replay.
     reader, _, _ = make_app(IDEMPOTENCY_ENCRYPTION_KEYS={"k2": K2})
-    shown = _idem(reader, "show", "key-1", "--tenant", "alpha", "--json")
+    shown = _idem(reader, "show", "--tenant", "alpha", "--json", key="key-1")
     (record,) = json.loads(shown.stdout)
     assert record["state"] == "completed" and record["replays"] is False
     assert "key 'k1', which is not in IDEMPOTENCY_ENCRYPTION_KEYS" in record["unreadable"]

@@ -96,6 +96,36 @@ def test_provider_timeout_then_retry_charges_once(app_factory: Factory, failure:
     assert len(provider.charges) == 1 and provider.calls == 2, "one charge, one re-run"
 
 
+@pytest.mark.parametrize("how", ["release_before_contact", "refuse"])
+def test_a_retry_that_took_over_never_gives_the_key_back(
+    app_factory: Factory, store: SQLStore, how: str
+) -> None:
+    """A retry that re-runs an unknown outcome and fails before its own contact cannot prove
+    the operation did nothing (the first attempt charged): releasing would delete the record,
+    and the next retry would charge again under new downstream keys."""
+    app, idem, _ = app_factory()
+    provider = FakeProvider()
+    refusing = {"on": False}
+
+    @app.post("/pay")
+    @idem.idempotent(recovery="reexecute", release_before_contact=how == "release_before_contact")
+    def pay() -> t.Any:
+        if refusing["on"]:
+            if how == "refuse":
+                return idem.refuse(({"error": "try later"}, 503))
+            return {"error": "try later"}, 503
+        return {"charge": provider.charge(idem.downstream_key("charge"))}, 201
+
+    client = app.test_client()
+    assert _post(client, "/pay").status_code == 500, "charged, then the answer was lost"
+    refusing["on"] = True
+    assert _post(client, "/pay").status_code == 503, "the re-run fails before its contact"
+    assert _record(store, "/pay").state is State.UNKNOWN, "still the same operation"
+    refusing["on"] = False
+    assert _post(client, "/pay").get_json() == {"charge": 1}
+    assert len(provider.charges) == 1, "one downstream key charged for one operation"
+
+
 def test_provider_timeout_on_a_fail_view_waits_for_reconciliation(
     app_factory: Factory, store: SQLStore
 ) -> None:

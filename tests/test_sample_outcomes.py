@@ -155,7 +155,7 @@ def test_operator_after_kill_9_charges_once(server: SampleServer, tool: str) -> 
         assert answer.status == 201 and answer.headers["Idempotent-Replayed"] == "true"
     else:
         args = ["--tenant", "alpha", "--endpoint", "POST /v1/payments", "--yes"]
-        done = server.flask("idem", "release", key, *args)
+        done = server.flask("idem", "release", *args, stdin=f"{key}\n")
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("reopened")
         answer = server.pay(key, payment(customer))
