@@ -97,6 +97,16 @@ def _key_lookup(command: t.Callable[P, None]) -> t.Callable[P, None]:
     return command
 
 
+def _not_found(hashed: str | None, where: str) -> click.ClickException:
+    """Nothing found; a KEY_HASH argument may have been a key of 16 hex digits itself."""
+    if hashed is None:
+        return click.ClickException(f"no live record of this key {where}")
+    return click.ClickException(
+        f"no record with key hash {hashed} {where}. If {hashed} is the key itself, not its "
+        "hash, pipe it in instead: printf '%s\\n' KEY | flask idem ..."
+    )
+
+
 def _read_key() -> str:
     """The raw key, from standard input: a hidden prompt on a terminal, else its first line.
 
@@ -322,7 +332,7 @@ def show(hashed: str | None, tenant: str, endpoint: str | None, as_json: bool) -
     elif records:
         click.echo("\n\n".join(_pairs(dumped) for dumped in schema.dump(records)))
     if not records:
-        raise click.ClickException("no live record of this key for this tenant")
+        raise _not_found(hashed, "for this tenant")
 
 
 @idem_group.command(epilog=_KEY_HELP)
@@ -416,7 +426,7 @@ def release(
         found = state.store.find_hashed(tenant, hashed, endpoint)
         record = found[-1] if found else None  # the newest, as get() returns it
     if record is None:
-        raise click.ClickException("no live record of this key for this tenant and endpoint")
+        raise _not_found(hashed, "for this tenant and endpoint")
     scope = record.scope
     stuck = record.state is State.UNKNOWN or record.lease_expired
     if not (stuck or (not_happened and record.state is State.REOPENED)):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing as t
+
 
 class IdempotencyError(Exception):
     """Root of every flask_idem exception."""
@@ -72,6 +74,15 @@ class JobInProgress(JobError):
 class JobOutcomePending(JobError):
     """A run of this message may have had its effect but its outcome is unknown, and the job's
     ``recovery="fail"`` forbids running it again: a reconciler or an operator settles it."""
+
+
+class JobRefused(JobError):
+    """The job answered through ``idem.refuse(value)``: it did nothing, its key was given back,
+    and a redelivery runs it again. ``value`` is what it refused with."""
+
+    def __init__(self, message: str, *, value: t.Any = None) -> None:
+        super().__init__(message)
+        self.value = value
 
 
 class JobKeyReused(JobError):

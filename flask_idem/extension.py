@@ -11,12 +11,22 @@ import types
 import typing as t
 
 import sqlalchemy as sa
-from flask import Blueprint, Flask, current_app, g, got_request_exception, request
+from flask import (
+    Blueprint,
+    Flask,
+    abort,
+    current_app,
+    g,
+    got_request_exception,
+    has_request_context,
+    request,
+)
+from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import InternalServerError
 
 from . import flow, jobs
 from .config import Settings
-from .errors import ConfigurationError, StoreUnavailable
+from .errors import ConfigurationError, JobRefused, StoreUnavailable
 from .keys import derive_key
 from .lease import LeaseKeeper
 from .options import (
@@ -130,10 +140,11 @@ class Idempotency:
         if settings.blueprint_prefix is not None:
             app.register_blueprint(create_blueprint(self), url_prefix=settings.blueprint_prefix)
         app.before_request(self._guard_view)
-        # First in the list, so Flask runs it after every other after_request hook (it runs
-        # them in reverse): a hook that raises then fails the attempt before anything is
-        # stored or committed, and the stored answer carries every hook's headers.
-        app.after_request_funcs.setdefault(None, []).insert(0, flow.finish)
+        # Flask runs after_request hooks in reverse: this one before the hooks registered
+        # earlier. The operation is recorded once the view answered; a hook failing after that
+        # (a metrics or audit exporter) does not undo it: the client's retry replays it, and
+        # a hook that commits the session, compresses or signs the body sees it settled.
+        app.after_request(flow.finish)
         app.teardown_request(flow.teardown)
         got_request_exception.connect(_mark_crashed, app, weak=False)
         # Unhandled exceptions in protected views answer problem+json; an application's own
@@ -149,15 +160,21 @@ class Idempotency:
             metrics.install(app, self._metrics, settings)
 
     def _sessions(self, app: Flask, settings: Settings) -> FlaskSQLAlchemySessions | None:
-        """Flask-SQLAlchemy's sessions: given with ``db=``, or detected when nothing else
-        names a database."""
+        """Flask-SQLAlchemy's sessions: given with ``db=``, or detected when nothing names
+        another database (``IDEMPOTENCY_DATABASE_URL`` or ``IDEMPOTENCY_ENGINE`` naming the
+        same one as Flask-SQLAlchemy's bind counts as nothing: ``db.session`` must then commit
+        with the stored response, or the view's rows would be lost)."""
         if self._store is not None:
             return None
-        if self._db is None and (settings.engine or settings.database_url):
-            return None
         sessions = resolve(app, self._db, self._bind_key)
-        if sessions is not None:
-            sessions.install()
+        if sessions is None:
+            return None
+        if self._db is None and (settings.engine or settings.database_url):
+            named = settings.engine.url if settings.engine else settings.database_url
+            assert named is not None
+            if not sessions.same_database(app, named):
+                return None
+        sessions.install()
         return sessions
 
     @staticmethod
@@ -512,24 +529,30 @@ class Idempotency:
             _refuse_in_atomic(state, "side_effect()")
             state.contacted = True
 
-    def refuse(self, rv: R) -> R:
-        """Answer ``rv`` as a refusal: the view did nothing, so the key is given back.
+    def refuse(self, rv: ResponseReturnValue) -> t.NoReturn:
+        """Answer ``rv`` as a refusal, now: the view did nothing, so the key is given back.
 
-        For what a view decides before any contact with the outside world (a limit of its
-        own, a 401 or 503 it answers itself)::
+        It raises, as ``abort()`` does, so nothing after it runs. For what a view decides
+        before any contact with the outside world (a limit of its own, a 401 or 503 it
+        answers itself)::
 
             if not quota.allows(g.tenant):
-                return idem.refuse(({"error": "daily limit reached"}, 429))
+                idem.refuse(({"error": "daily limit reached"}, 429))
 
-        The answer is never stored, the business transaction rolls back, and the next request
-        with the key runs the view again. After :meth:`downstream_key` or :meth:`side_effect`
-        the attempt may have had an effect: it ends ``unknown`` as any other failure, never
-        released. Without ``refuse`` a plain view's failure leaves the key ``unknown``.
+        The answer is never stored and goes to the client as it is (the application's error
+        handlers do not see it), the business transaction rolls back, and the next request
+        with the key runs the view again. After :meth:`downstream_key` or :meth:`side_effect`,
+        or in a re-run of an ``unknown`` record, the attempt may have had an effect: it ends
+        ``unknown`` as any other failure, never released. In a job it raises
+        :class:`~flask_idem.errors.JobRefused` carrying ``rv`` (retryable: the redelivery runs
+        the job again). Without ``refuse`` a plain view's failure leaves the key ``unknown``.
         """
         state = RequestState.current()
         if state is not None:
             state.refused = True
-        return rv
+        if not has_request_context() or isinstance(getattr(state, "options", None), JobOptions):
+            raise JobRefused("the job refused to run; redeliver it later", value=rv)
+        abort(current_app.make_response(rv))
 
     def connection(self) -> sa.Connection:
         """The request's (or job's) business transaction on the store's database.
@@ -570,7 +593,10 @@ class Idempotency:
         view = current_app.view_functions.get(endpoint or "")
         if view is None or getattr(view, flow.GUARD_ATTRIBUTE, None) is view:
             return
-        if self.protection(AppState.current().settings) is not None:
+        settings = AppState.current().settings
+        if self.options_for(settings) is not None or (
+            request.method not in flow.SAFE_METHODS and self.protection(settings) is not None
+        ):
             assert endpoint is not None
             current_app.view_functions[endpoint] = flow.guard(view)  # type: ignore[assignment]
 

@@ -203,9 +203,10 @@ def enter(
         return run(call, args, kwargs)  # the view's own guard claims, after its decorators
     settings = app_state.settings
     options = app_state.extension.protection(settings, declared)
-    if options is None:
+    claims = settings.enabled and request.method in settings.methods
+    if options is None or (not claims and request.method in SAFE_METHODS):
         return t.cast(ResponseReturnValue, call(*args, **kwargs))
-    if settings.enabled and request.method in settings.methods:
+    if claims:
         try:
             answer = claim(app_state, options)
         except Problem as problem:
@@ -214,16 +215,22 @@ def enter(
             return _problem_response(app_state, RequestState.current(), problem)
         if answer is not None:
             return answer
-    if RequestState.current() is None:
+    state = RequestState.current()
+    if state is None or state.token is None:
         unclaimed(app_state, options)
     return run(call, args, kwargs)
 
 
+#: Methods that must have no effect (RFC 9110): an unclaimed one is left as Flask leaves it.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+
 def unclaimed(app_state: AppState, options: ViewOptions) -> None:
-    """Give a protected view's unclaimed request (``IDEMPOTENCY_ENABLED`` off, a method
-    outside ``IDEMPOTENCY_METHODS``, an optional key left out) the business transaction of a
-    claimed one: the view is written for flask_idem to commit it, so ``finish`` commits it
-    with a storable answer and rolls it back otherwise, as it would a claimed request's."""
+    """Give a protected view's unclaimed request (``IDEMPOTENCY_ENABLED`` off, an unsafe
+    method outside ``IDEMPOTENCY_METHODS``, an optional key left out) the business
+    transaction of a claimed one: the view is written for flask_idem to commit it, so
+    ``finish`` commits it with a storable answer and rolls it back otherwise, as it would a
+    claimed request's. A transaction a hook opened earlier (``idem.connection()``) is kept."""
     state = _start(RequestState(None, options))
     if app_state.sessions is not None:
         app_state.attach_session(state)
@@ -471,13 +478,19 @@ def _read_key(req: Request, settings: Settings, options: ViewOptions) -> str | N
 def _tenant(app_state: AppState) -> str:
     try:
         tenant = app_state.extension.current_tenant()
+    except HTTPException:
+        raise  # the callable's own answer (abort(401) for a request without credentials)
     except Exception:
         # ``tenant=lambda: g.tenant`` on a request no authentication hook ran for: a refusal
         # that says what is wrong, never a bare 500.
         log.exception("the tenant callable raised; the request is refused (tenant-unresolved)")
         tenant = None
     if tenant is None:
-        log.error("protected request without a tenant: configure Idempotency(tenant=...)")
+        log.error(
+            "protected request without a tenant: Idempotency(tenant=...) found none; did the "
+            "authentication that sets it run before the claim (a before_request hook, or a "
+            "decorator above @idem.idempotent)?"
+        )
         raise TenantUnresolved(
             "The server could not tell whose request this is, so it refuses to run it."
         )
@@ -511,22 +524,27 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
         state = RequestState.current()
         if state is not None:
             state.flush()  # db.session's ORM writes: a failure here is the view's
+            state.answered = True
         return answer
     except HTTPException:
+        _answered(crashed=False)
         raise  # abort(404), raise Problem(...): an answer like a returned one
     except StoreUnavailable as exc:
         # idem.connection() failed in the view: a crash answered 503 here, not by whatever
         # error handler the application (or a blueprint) registered for Exception.
-        state = RequestState.current()
-        if state is not None:
-            state.crashed = True
+        _answered(crashed=True)
         return store_unavailable(exc)
     except BaseException:
         # A crash, also when an application error handler turns it into a response.
-        state = RequestState.current()
-        if state is not None:
-            state.crashed = True
+        _answered(crashed=True)
         raise
+
+
+def _answered(*, crashed: bool) -> None:
+    state = RequestState.current()
+    if state is not None:
+        state.answered = True
+        state.crashed = state.crashed or crashed
 
 
 # -- finish: store the answer, or give the key up -------------------------------------------

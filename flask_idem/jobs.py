@@ -130,7 +130,7 @@ def _run(
 ) -> t.Any:
     app_state = AppState.current()
     if not app_state.settings.enabled:
-        return _unprotected(function, call)
+        return _unprotected(app_state, function, call)
     _refuse_a_shared_session(app_state, options)
     scope = Scope(_tenant(options, call), options.endpoint, _key(options, call))
     with _attached(RequestState(scope, options)) as state:
@@ -171,14 +171,18 @@ def _attached(state: RequestState) -> t.Iterator[RequestState]:
             outer.attach()
 
 
-def _unprotected(function: t.Callable[..., t.Any], call: inspect.BoundArguments) -> t.Any:
+def _unprotected(
+    app_state: AppState, function: t.Callable[..., t.Any], call: inspect.BoundArguments
+) -> t.Any:
     """``IDEMPOTENCY_ENABLED`` off: the job runs as a plain function; what it wrote through
-    ``idem.connection()`` commits when it returns and rolls back when it raises."""
+    ``idem.connection()`` or ``db.session`` (``Idempotency(db=...)``) commits when it returns
+    and rolls back when it raises, as when it is protected."""
     with _attached(RequestState(None, None)) as state:
+        if app_state.sessions is not None:
+            app_state.attach_session(state)
         value = current_app.ensure_sync(function)(*call.args, **call.kwargs)
-        if state.connection is not None:
-            with translate_errors():
-                state.commit()
+        with translate_errors():
+            state.commit()
         return value
 
 

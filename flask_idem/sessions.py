@@ -23,6 +23,7 @@ module never imports it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing as t
 
 import sqlalchemy as sa
@@ -30,6 +31,7 @@ from flask import Flask
 
 from .errors import ConfigurationError, IdempotencyError
 from .state import SESSION_STATE, RequestState
+from .store import normalize_url
 
 #: ``app.extensions`` key of Flask-SQLAlchemy.
 EXTENSION_KEY = "sqlalchemy"
@@ -67,12 +69,33 @@ class FlaskSQLAlchemySessions:
                 )
             return t.cast(sa.Engine, engines[self.bind_key])
 
+    def same_database(self, app: Flask, url: str | sa.URL) -> bool:
+        """Whether ``url`` names the database of this bind (a SQLite file by its absolute
+        path: Flask-SQLAlchemy puts relative ones in the instance folder)."""
+        try:
+            mine = self.engine(app).url
+        except ConfigurationError:
+            return False
+        other = normalize_url(url)
+        if mine.get_backend_name() != other.get_backend_name():
+            return False
+        if mine.get_backend_name() == "sqlite":
+            return _sqlite_path(mine) == _sqlite_path(other)
+        fields = ("host", "port", "database", "username")
+        return all(getattr(mine, name) == getattr(other, name) for name in fields)
+
     def install(self) -> None:
         """Refuse commits and rollbacks of the session by the protected view (once per db)."""
         scoped = self.scoped
         if not sa.event.contains(scoped, "before_commit", _refuse_commit):
             sa.event.listen(scoped, "before_commit", _refuse_commit)
             sa.event.listen(scoped, "after_soft_rollback", _refuse_rollback)
+
+
+def _sqlite_path(url: sa.URL) -> str | None:
+    if url.database in (None, "", ":memory:"):
+        return None  # an in-memory database is never another engine's
+    return os.path.abspath(url.database)
 
 
 def resolve(app: Flask, db: t.Any, bind_key: str | None) -> FlaskSQLAlchemySessions | None:
@@ -101,7 +124,8 @@ def _refuse_commit(session: t.Any) -> None:
 
 
 def _refuse_rollback(session: t.Any, previous_transaction: t.Any) -> None:
-    if previous_transaction.parent is None and _claimed(session) is not None:
+    state = _claimed(session)
+    if previous_transaction.parent is None and state is not None and not state.answered:
         raise SessionSettled(
             "db.session.rollback() in a protected view: raise an exception (or return an "
             "error response) instead, and flask_idem rolls the transaction back"

@@ -76,7 +76,9 @@ class AppState:
         assert self.sessions is not None
         if state.session is None:
             state.session = self.sessions.scoped()
-            state.session.info[SESSION_STATE] = state
+        # Also for a session taken over from an earlier state (a hook's idem.connection()):
+        # the commit guard must see the claimed request, not the hook's unprotected one.
+        state.session.info[SESSION_STATE] = state
         return state.session
 
     @classmethod
@@ -104,6 +106,9 @@ class RequestState:
     crashed: bool = False
     #: The view answered through ``idem.refuse()``: it did nothing, the key goes back.
     refused: bool = False
+    #: The view returned or raised: an error handler's ``db.session.rollback()`` (a common
+    #: habit) then undoes nothing flask_idem still needs, so it is allowed.
+    answered: bool = False
     finished: bool = False
     #: A store failure was already reported for this attempt (events count it once).
     store_failed: bool = False

@@ -1,0 +1,58 @@
+"""A job's db.session writes commit when it returns and roll back when it raises, switched on
+or off (``IDEMPOTENCY_ENABLED = False``), as a view's do.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from flask_idem import Idempotency
+from flask_idem.store import normalize_url
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+db = SQLAlchemy(model_class=Base)
+
+
+class Renewal(db.Model):  # type: ignore[name-defined,misc]
+    __tablename__ = "review_off_renewals"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    order_id: Mapped[str] = mapped_column(sa.String(50))
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
+def test_a_job_keeps_its_session_writes_switched_on_or_off(db_url: str, enabled: bool) -> None:
+    app = Flask("off-job")
+    app.config.update(
+        SQLALCHEMY_DATABASE_URI=normalize_url(db_url).render_as_string(hide_password=False),
+        IDEMPOTENCY_ENABLED=enabled,
+    )
+    db.init_app(app)
+    idem = Idempotency(app, db=db)
+
+    @idem.job("renew", key="order_id", tenant="merchant")
+    def renew(merchant: str, order_id: str) -> dict[str, t.Any]:
+        db.session.add(Renewal(order_id=order_id))  # no commit: flask_idem commits
+        return {"renewed": order_id}
+
+    with app.app_context():
+        db.create_all()
+    try:
+        with app.app_context():
+            assert renew("alpha", "o-1") == {"renewed": "o-1"}
+        with app.app_context():
+            rows = list(db.session.scalars(sa.select(Renewal.order_id)))
+        assert rows == ["o-1"], f"the job's write was lost (IDEMPOTENCY_ENABLED={enabled})"
+    finally:
+        with app.app_context():
+            db.drop_all()
+            db.engine.dispose()
