@@ -187,7 +187,8 @@ class Idempotency:
         if target is None:
             raise ConfigurationError(
                 "flask_idem needs a database: set IDEMPOTENCY_DATABASE_URL (e.g. "
-                "postgresql://user@host/db) or IDEMPOTENCY_ENGINE, or pass store= to Idempotency"
+                "postgresql://user@host/db) or IDEMPOTENCY_ENGINE, or pass store= to Idempotency; "
+                "with Flask-SQLAlchemy, pass db= or call db.init_app(app) before init_app"
             )
         return create_store(target)
 

@@ -29,7 +29,7 @@ from flask_idem.migrate import BRANCH, add_version_location, include_object, ver
 from flask_idem.store import create_engine, normalize_url
 from flask_idem.table import TABLE_NAME, VERSION_TABLE
 
-from .test_migrations import HEAD
+from .test_migrations import HEAD, table_names
 
 APP = textwrap.dedent(
     """
@@ -113,14 +113,6 @@ def _flask(
     return output
 
 
-def _tables(url: str) -> set[str]:
-    engine = create_engine(url)
-    try:
-        return set(sa.inspect(engine).get_table_names())
-    finally:
-        engine.dispose()
-
-
 def _versions(url: str) -> set[str]:
     engine = create_engine(url)
     try:
@@ -185,7 +177,7 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
     refused = _flask(project, app_url, "db", "upgrade", check=False)
     assert "Multiple head revisions" in refused
     _flask(project, app_url, "db", "upgrade", "heads")
-    tables = _tables(app_url)
+    tables = table_names(app_url)
     assert {"order", TABLE_NAME, "alembic_version"} <= tables
     assert VERSION_TABLE not in tables, "one version table: the application's"
     assert _versions(app_url) == {HEAD, app_revision}
@@ -199,7 +191,7 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
 
     # flask_idem's branch goes down on its own, the application's stays.
     _flask(project, app_url, "db", "downgrade", f"{BRANCH}@base")
-    tables = _tables(app_url)
+    tables = table_names(app_url)
     assert TABLE_NAME not in tables and "order" in tables
     assert _versions(app_url) == {app_revision}
     checked = _flask(project, app_url, "idem", "check", check=False)
@@ -208,7 +200,7 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
     # After a merge revision, a plain `flask db upgrade` works too.
     _flask(project, app_url, "db", "merge", "heads", "-m", "include flask_idem")
     _flask(project, app_url, "db", "upgrade")
-    assert TABLE_NAME in _tables(app_url)
+    assert TABLE_NAME in table_names(app_url)
     assert len(_versions(app_url)) == 1
     assert len(_app_revisions(project)) == 2, "the merge is the application's"
     assert _revision_files(package_revisions) == package_before
@@ -235,7 +227,7 @@ def _grow_a_new_application(project: Path, url: str, python: str = sys.executabl
     assert set(history.get_heads()) == {HEAD, revisions["orders"]}
 
     flask("db", "upgrade", "heads")
-    assert {"order", TABLE_NAME} <= _tables(url)
+    assert {"order", TABLE_NAME} <= table_names(url)
     # Flask-Migrate's own hook is replaced by flask_idem's: an empty revision is still skipped.
     assert "No changes in schema detected" in flask("db", "migrate", "-m", "nothing")
     assert list(_app_revisions(project)) == ["orders"]
@@ -250,10 +242,10 @@ def _grow_a_new_application(project: Path, url: str, python: str = sys.executabl
     assert set(history.get_heads()) == {HEAD, revisions["backfill"]}, "flask_idem's untouched"
 
     flask("db", "upgrade", "heads", refunds=True)
-    assert {"order", "refund", TABLE_NAME} <= _tables(url)
+    assert {"order", "refund", TABLE_NAME} <= table_names(url)
     assert _versions(url) == {HEAD, revisions["backfill"]}
     flask("db", "downgrade", revisions["orders"], refunds=True)
-    tables = _tables(url)
+    tables = table_names(url)
     assert "refund" not in tables and {"order", TABLE_NAME} <= tables
     assert _versions(url) == {HEAD, revisions["orders"]}
 
@@ -319,14 +311,14 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path
 
 @pytest.mark.slow
 def test_a_new_application_on_an_installed_wheel_writes_nothing_into_site_packages(
-    tmp_path: Path, installed_wheel: tuple[str, Path]
+    tmp_path: Path, app_url: str, installed_wheel: tuple[str, Path]
 ) -> None:
     """From a wheel, nothing is written into the installed package (Alembic put a new
     application's first revision into flask_idem's directory in site-packages)."""
     python, package_revisions = installed_wheel
     before = sorted(path.name for path in package_revisions.iterdir() if path.is_file())
     project = _project(tmp_path)
-    _grow_a_new_application(project, f"sqlite:///{tmp_path}/app.sqlite3", python=python)
+    _grow_a_new_application(project, app_url, python=python)
     after = sorted(path.name for path in package_revisions.iterdir() if path.is_file())
     assert after == before, "a revision was written into the installed package"
 
@@ -342,7 +334,7 @@ def test_flask_idem_db_commands_without_flask_migrate(app_url: str) -> None:
         assert HEAD not in result.output
         result = runner.invoke(args=["idem", "db", "upgrade"])
         assert result.exit_code == 0, result.output
-        tables = _tables(app_url)
+        tables = table_names(app_url)
         assert {TABLE_NAME, VERSION_TABLE} <= tables and "alembic_version" not in tables
         result = runner.invoke(args=["idem", "db", "current"])
         assert result.exit_code == 0 and f"{HEAD} (head)" in result.output, result.output
@@ -352,7 +344,7 @@ def test_flask_idem_db_commands_without_flask_migrate(app_url: str) -> None:
         assert f"{HEAD} (head)" not in result.output
         result = runner.invoke(args=["idem", "db", "downgrade", "base"])
         assert result.exit_code == 0, result.output
-        assert TABLE_NAME not in _tables(app_url)
+        assert TABLE_NAME not in table_names(app_url)
     finally:
         app.extensions["idempotency"].store.engine.dispose()
         del idem

@@ -145,7 +145,7 @@ def test_partition_granularity_is_configurable(
         engine.dispose()
 
 
-def _tables(url: str) -> set[str]:
+def table_names(url: str) -> set[str]:
     engine = create_engine(url)
     try:
         return set(sa.inspect(engine).get_table_names())
@@ -170,9 +170,9 @@ def test_without_a_url_the_flask_sqlalchemy_database_is_migrated(empty_url: str)
     with app.app_context():
         try:
             upgrade()
-            assert {TABLE_NAME, VERSION_TABLE} <= _tables(empty_url)
+            assert {TABLE_NAME, VERSION_TABLE} <= table_names(empty_url)
             downgrade()
-            assert TABLE_NAME not in _tables(empty_url)
+            assert TABLE_NAME not in table_names(empty_url)
         finally:
             db.engine.dispose()
 
@@ -189,10 +189,10 @@ def test_without_a_url_the_store_database_comes_first(empty_url: str, tmp_path: 
     with app.app_context():
         try:
             upgrade()
-            assert TABLE_NAME in _tables(empty_url)
-            assert TABLE_NAME not in _tables(orm_url)
+            assert TABLE_NAME in table_names(empty_url)
+            assert TABLE_NAME not in table_names(orm_url)
             downgrade()
-            assert TABLE_NAME not in _tables(empty_url)
+            assert TABLE_NAME not in table_names(empty_url)
         finally:
             db.engine.dispose()
             app.extensions["idempotency"].store.engine.dispose()
