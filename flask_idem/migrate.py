@@ -39,7 +39,7 @@ from flask.cli import AppGroup
 from .sessions import EXTENSION_KEY as FLASK_SQLALCHEMY
 from .state import EXTENSION_NAME, AppState
 from .store import normalize_url
-from .table import VERSION_TABLE, metadata
+from .table import TABLE_NAME, VERSION_TABLE, metadata
 
 if t.TYPE_CHECKING:
     from alembic.operations.ops import MigrationScript
@@ -338,7 +338,31 @@ def _app_config() -> Config:
 @click.option("--sql", is_flag=True, help="Print the SQL instead of running it (offline).")
 def db_upgrade(revision: str, sql: bool) -> None:
     """Create or update flask_idem's tables up to REVISION (default: head)."""
-    command.upgrade(_app_config(), revision, sql=sql)
+    config = _app_config()
+    if not sql:
+        _refuse_a_flask_migrate_database(config)
+    command.upgrade(config, revision, sql=sql)
+
+
+def _refuse_a_flask_migrate_database(config: Config) -> None:
+    """flask_idem's tables without its own version table are the application's Flask-Migrate
+    history's: a standalone upgrade would create them again (a raw DuplicateTable)."""
+    url = config.get_main_option("sqlalchemy.url")
+    if url is None:
+        return
+    engine = sa.create_engine(url.replace("%%", "%"))
+    try:
+        tables = set(sa.inspect(engine).get_table_names())
+    except sa.exc.SQLAlchemyError:
+        return  # Alembic reports the database's own error
+    finally:
+        engine.dispose()
+    if TABLE_NAME in tables and VERSION_TABLE not in tables:
+        raise click.ClickException(
+            "flask_idem's tables are in this database, migrated in the application's "
+            "Flask-Migrate history (alembic_version): run `flask db upgrade heads` instead. "
+            "To switch to standalone migrations, see 'Switching' in docs/flask-sqlalchemy.md."
+        )
 
 
 @db_group.command("downgrade")

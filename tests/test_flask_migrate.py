@@ -183,6 +183,10 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
     assert _versions(app_url) == {HEAD, app_revision}
     checked = _flask(project, app_url, "idem", "check")
     assert f"ok      schema: at {HEAD}, the head (alembic_version)" in checked
+    # The standalone command would create the tables again: it says what to run instead.
+    standalone = _flask(project, app_url, "idem", "db", "upgrade", check=False)
+    assert "run `flask db upgrade heads` instead" in standalone, standalone
+    assert "Traceback" not in standalone and VERSION_TABLE not in table_names(app_url)
 
     # Autogenerate sees no difference: flask_idem's tables (and partitions) are not the app's.
     no_change = _flask(project, app_url, "db", "migrate", "-m", "nothing", "--head", app_revision)
