@@ -14,7 +14,6 @@ import sqlalchemy as sa
 from flask import (
     Blueprint,
     Flask,
-    abort,
     current_app,
     g,
     got_request_exception,
@@ -42,7 +41,8 @@ from .options import (
     release_option,
 )
 from .sealing import Sealer
-from .sessions import FlaskSQLAlchemySessions, resolve
+from .sessions import EXTENSION_KEY as SQLALCHEMY_EXTENSION
+from .sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
 from .state import EXTENSION_NAME, AppState, RequestState
 from .store import Store, create_store
 
@@ -135,6 +135,7 @@ class Idempotency:
             sessions=sessions,
             plain_ensure_sync=type(app).ensure_sync is Flask.ensure_sync
             and "ensure_sync" not in vars(app),
+            unmanaged_db=None if sessions is not None else _unmanaged(app),
         )
         app.cli.add_command(idem_group)
         if settings.blueprint_prefix is not None:
@@ -169,10 +170,13 @@ class Idempotency:
         sessions = resolve(app, self._db, self._bind_key)
         if sessions is None:
             return None
-        if self._db is None and (settings.engine or settings.database_url):
-            named = settings.engine.url if settings.engine else settings.database_url
-            assert named is not None
-            if not sessions.same_database(app, named):
+        if self._db is None and settings.engine is not None:
+            # An engine given as it is keeps its settings: it is the session's only if it is
+            # the very engine Flask-SQLAlchemy built.
+            if settings.engine is not sessions.engine(app):
+                return None
+        elif self._db is None and settings.database_url is not None:
+            if not sessions.same_database(app, settings.database_url):
                 return None
         sessions.install()
         return sessions
@@ -549,11 +553,9 @@ class Idempotency:
         the job again). Without ``refuse`` a plain view's failure leaves the key ``unknown``.
         """
         state = RequestState.current()
-        if state is not None:
-            state.refused = True
         if not has_request_context() or isinstance(getattr(state, "options", None), JobOptions):
             raise JobRefused("the job refused to run; redeliver it later", value=rv)
-        abort(current_app.make_response(rv))
+        raise flow.Refusal(current_app.make_response(rv))
 
     def connection(self) -> sa.Connection:
         """The request's (or job's) business transaction on the store's database.
@@ -600,6 +602,14 @@ class Idempotency:
         ):
             assert endpoint is not None
             current_app.view_functions[endpoint] = flow.guard(view)  # type: ignore[assignment]
+
+
+def _unmanaged(app: Flask) -> t.Any:
+    """The app's Flask-SQLAlchemy when flask_idem does not settle its session, watched."""
+    db = app.extensions.get(SQLALCHEMY_EXTENSION)
+    if db is not None:
+        watch_unmanaged(db)
+    return db
 
 
 def _unprotected_key(step: str) -> str:

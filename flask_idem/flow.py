@@ -115,6 +115,7 @@ from .problem import (
 )
 from .record import ClaimResult, Record, Scope, StoredResponse
 from .sealing import unreadable_problem
+from .sessions import has_unmanaged_writes
 from .state import AppState, RequestState
 from .store.sql import translate_errors
 
@@ -526,6 +527,9 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
             state.flush()  # db.session's ORM writes: a failure here is the view's
             state.answered = True
         return answer
+    except Refusal:
+        _answered(crashed=False, refused=True)
+        raise
     except HTTPException:
         _answered(crashed=False)
         raise  # abort(404), raise Problem(...): an answer like a returned one
@@ -540,11 +544,20 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
         raise
 
 
-def _answered(*, crashed: bool) -> None:
+def _answered(*, crashed: bool, refused: bool = False) -> None:
     state = RequestState.current()
     if state is not None:
         state.answered = True
         state.crashed = state.crashed or crashed
+        state.refused = refused
+
+
+class Refusal(HTTPException):
+    """What ``idem.refuse()`` raises in a request: its answer, sent as it is. Only a refusal
+    that ends the view gives the key back; one the view caught and went on from does not."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response=response)
 
 
 # -- finish: store the answer, or give the key up -------------------------------------------
@@ -573,6 +586,19 @@ def finish(response: Response) -> Response:
         return response
     if response.status_code in app_state.settings.never_store:
         give_up(app_state, state, f"status {response.status_code} is never stored")
+        return response
+    if app_state.unmanaged_db is not None and has_unmanaged_writes(app_state.unmanaged_db):
+        log.warning(
+            "a protected view left writes in db.session that flask_idem does not commit: its "
+            "store runs on another database. Pass db= to Idempotency (one transaction with the "
+            "stored answer), or commit them in the view",
+            extra={"key_hash": key_hash(t.cast(Scope, state.scope))},
+        )
+    if state.atomic and state.session is not None and not state.session.in_transaction():
+        # An error handler rolled db.session back after the view raised an HTTPException:
+        # the atomic claim went with it, and nothing of the attempt is left. Its answer goes
+        # out unstored; the key is free, so a retry runs the view again.
+        give_up(app_state, state, "the business transaction was rolled back before the answer")
         return response
     return _complete(app_state, state, response)
 

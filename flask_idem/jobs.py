@@ -47,7 +47,7 @@ import json
 import logging
 import typing as t
 
-from flask import current_app, has_app_context
+from flask import current_app, has_app_context, has_request_context
 
 from . import signals
 from .attempt import (
@@ -66,6 +66,7 @@ from .errors import (
     JobInProgress,
     JobKeyReused,
     JobOutcomePending,
+    JobRefused,
     JobResultNotStored,
     JobResultUnreadable,
     StoreUnavailable,
@@ -177,8 +178,11 @@ def _unprotected(
     """``IDEMPOTENCY_ENABLED`` off: the job runs as a plain function; what it wrote through
     ``idem.connection()`` or ``db.session`` (``Idempotency(db=...)``) commits when it returns
     and rolls back when it raises, as when it is protected."""
+    # A worker's job settles db.session; one called inside a request or another job shares
+    # the caller's session and leaves it to the caller.
+    own_session = RequestState.current() is None and not has_request_context()
     with _attached(RequestState(None, None)) as state:
-        if app_state.sessions is not None:
+        if app_state.sessions is not None and own_session:
             app_state.attach_session(state)
         value = current_app.ensure_sync(function)(*call.args, **call.kwargs)
         with translate_errors():
@@ -262,6 +266,10 @@ def _execute(
     assert state.scope is not None
     try:
         value = function(*call.args, **call.kwargs)
+    except JobRefused:
+        state.refused = True  # idem.refuse() ended the run: it did nothing
+        give_up(app_state, state, "the job refused to run")
+        raise
     except BaseException:
         # Also SystemExit and KeyboardInterrupt: a worker told to stop mid-job.
         state.crashed = True

@@ -23,6 +23,7 @@ module never imports it.
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import os
 import typing as t
 
@@ -70,8 +71,10 @@ class FlaskSQLAlchemySessions:
             return t.cast(sa.Engine, engines[self.bind_key])
 
     def same_database(self, app: Flask, url: str | sa.URL) -> bool:
-        """Whether ``url`` names the database of this bind (a SQLite file by its absolute
-        path: Flask-SQLAlchemy puts relative ones in the instance folder)."""
+        """Whether ``url`` names the database of this bind, in whatever spelling: a SQLite file
+        by its real path (a relative one also as Flask-SQLAlchemy reads it, in the instance
+        folder), a PostgreSQL database by server, port, user and name, libpq's query
+        parameters and defaults included (``localhost`` and ``127.0.0.1`` are one host)."""
         try:
             mine = self.engine(app).url
         except ConfigurationError:
@@ -80,9 +83,9 @@ class FlaskSQLAlchemySessions:
         if mine.get_backend_name() != other.get_backend_name():
             return False
         if mine.get_backend_name() == "sqlite":
-            return _sqlite_path(mine) == _sqlite_path(other)
-        fields = ("host", "port", "database", "username")
-        return all(getattr(mine, name) == getattr(other, name) for name in fields)
+            path = _sqlite_path(mine)
+            return path is not None and path in _sqlite_paths(app, other)
+        return _server_identity(mine) == _server_identity(other)
 
     def install(self) -> None:
         """Refuse commits and rollbacks of the session by the protected view (once per db)."""
@@ -95,7 +98,41 @@ class FlaskSQLAlchemySessions:
 def _sqlite_path(url: sa.URL) -> str | None:
     if url.database in (None, "", ":memory:"):
         return None  # an in-memory database is never another engine's
-    return os.path.abspath(url.database)
+    return os.path.realpath(url.database)
+
+
+def _sqlite_paths(app: Flask, url: sa.URL) -> set[str]:
+    """The files ``url`` may mean: from the working directory, and, relative, where
+    Flask-SQLAlchemy puts it (the instance folder) when the same text is its URI."""
+    path = _sqlite_path(url)
+    if path is None:
+        return set()
+    paths = {path}
+    assert url.database is not None
+    if not os.path.isabs(url.database):
+        paths.add(os.path.realpath(os.path.join(app.instance_path, url.database)))
+    return paths
+
+
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+def _server_identity(url: sa.URL) -> tuple[str, int, str, str]:
+    """(host, port, user, database) as libpq resolves them: URL, then query, then PG*."""
+    query = url.query
+
+    def pick(value: t.Any, name: str, variable: str, default: str) -> str:
+        given = value or query.get(name) or os.environ.get(variable) or default
+        return str(given[0] if isinstance(given, tuple) else given)
+
+    host = pick(url.host, "host", "PGHOST", "localhost")
+    user = pick(url.username, "user", "PGUSER", getpass.getuser())
+    return (
+        "localhost" if host in _LOCAL_HOSTS else host,
+        int(pick(url.port, "port", "PGPORT", "5432")),
+        user,
+        pick(url.database, "dbname", "PGDATABASE", user),
+    )
 
 
 def resolve(app: Flask, db: t.Any, bind_key: str | None) -> FlaskSQLAlchemySessions | None:
@@ -105,6 +142,41 @@ def resolve(app: Flask, db: t.Any, bind_key: str | None) -> FlaskSQLAlchemySessi
         if db is None:
             return None
     return FlaskSQLAlchemySessions(db, bind_key)
+
+
+#: ``session.info`` key set by a flush of a session flask_idem does not settle.
+_FLUSHED = "flask_idem.flushed"
+
+
+def watch_unmanaged(db: t.Any) -> None:
+    """Note flushes of a Flask-SQLAlchemy session that is *not* the business transaction (the
+    store runs on another database), so that :func:`has_unmanaged_writes` can tell."""
+    scoped = db.session
+    if not sa.event.contains(scoped, "after_flush", _note_flush):
+        sa.event.listen(scoped, "after_flush", _note_flush)
+        sa.event.listen(scoped, "after_commit", _forget_flush)
+        sa.event.listen(scoped, "after_soft_rollback", _forget_rollback)
+
+
+def has_unmanaged_writes(db: t.Any) -> bool:
+    """Whether this context's ``db.session`` holds writes nobody committed yet."""
+    registry = db.session.registry
+    if not registry.has():
+        return False
+    session = registry()
+    return bool(session.new or session.dirty or session.deleted or session.info.get(_FLUSHED))
+
+
+def _note_flush(session: t.Any, _context: t.Any) -> None:
+    session.info[_FLUSHED] = True
+
+
+def _forget_flush(session: t.Any) -> None:
+    session.info.pop(_FLUSHED, None)
+
+
+def _forget_rollback(session: t.Any, _previous: t.Any) -> None:
+    session.info.pop(_FLUSHED, None)
 
 
 def _claimed(session: t.Any) -> RequestState | None:

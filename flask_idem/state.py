@@ -54,19 +54,24 @@ class AppState:
     #: The application keeps Flask's own ``ensure_sync`` (which returns a plain function as
     #: it is), so a guard may skip asking it for a view that is not a coroutine function.
     plain_ensure_sync: bool = True
+    #: A Flask-SQLAlchemy registered on the app whose session flask_idem does not settle (the
+    #: store runs on another database): its writes left uncommitted by a view are warned of.
+    unmanaged_db: t.Any = None
 
     def begin(self, state: RequestState) -> sa.Connection:
         """The request's business transaction, opened on first use: the connection of the
         application's ``db.session`` (with ``db=``), else one of its own on the store."""
-        if state.connection is None:
-            if self.sessions is not None:
-                session = self.attach_session(state)
+        if self.sessions is not None:
+            # Also for a connection taken over from an earlier state (a hook's
+            # idem.connection()): the session's guards must see this request.
+            session = self.attach_session(state)
+            if state.connection is None:
                 with translate_errors():
                     state.connection = session.connection(
                         bind_arguments={"bind": self.store.engine}
                     )
-            else:
-                state.connection = self.store.begin()
+        elif state.connection is None:
+            state.connection = self.store.begin()
         return state.connection
 
     def attach_session(self, state: RequestState) -> t.Any:
@@ -104,7 +109,7 @@ class RequestState:
     contacted: bool = False
     #: The view or job raised (whoever rendered the exception afterwards).
     crashed: bool = False
-    #: The view answered through ``idem.refuse()``: it did nothing, the key goes back.
+    #: The view ended with ``idem.refuse()`` (not caught): it did nothing, the key goes back.
     refused: bool = False
     #: The view returned or raised: an error handler's ``db.session.rollback()`` (a common
     #: habit) then undoes nothing flask_idem still needs, so it is allowed.

@@ -1,0 +1,95 @@
+"""An atomic view's session guards see the claimed request also when a before_request hook
+used ``idem.connection()`` first: the view can neither roll back its claim nor commit its rows
+without their record.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask
+from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from flask_idem import Idempotency
+from flask_idem.store import normalize_url
+from flask_idem.testing import empty_store
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+db = SQLAlchemy(model_class=Base)
+
+
+class Ledger(db.Model):  # type: ignore[name-defined,misc]
+    __tablename__ = "review_atomic_early_ledger"
+    id: Mapped[int] = mapped_column(primary_key=True)
+
+
+def _app(pg_url: str, *, early: bool) -> tuple[Flask, Idempotency]:
+    # PostgreSQL: on SQLite the hook's open transaction holds the write lock (see
+    # tests/test_early_connection_commit_guard.py).
+    app = Flask("atomic-early")
+    app.config.update(
+        SQLALCHEMY_DATABASE_URI=normalize_url(pg_url).render_as_string(hide_password=False),
+        PROPAGATE_EXCEPTIONS=False,
+    )
+    db.init_app(app)
+    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
+    empty_store(app.extensions["idempotency"].store)
+
+    if early:
+
+        @app.before_request
+        def authenticate() -> None:
+            idem.connection().execute(sa.text("SELECT 1"))  # e.g. the API key's tenant
+
+    @app.post("/ledger")
+    @idem.idempotent(atomic=True)
+    def book() -> t.Any:
+        db.session.rollback()  # forbidden before the view answered: SessionSettled
+        db.session.add(Ledger())
+        db.session.commit()  # forbidden in a protected view: SessionSettled
+        return {"booked": True}, 201
+
+    with app.app_context():
+        db.create_all()
+    return app, idem
+
+
+@pytest.fixture
+def apps() -> t.Iterator[list[Flask]]:
+    made: list[Flask] = []
+    yield made
+    for app in made:
+        with app.app_context():
+            db.session.remove()
+            db.drop_all()
+            db.engine.dispose()
+
+
+def _rows(app: Flask) -> int:
+    with app.app_context():
+        count = db.session.scalar(sa.select(sa.func.count()).select_from(Ledger))
+        db.session.remove()
+        return int(count or 0)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["no-hook", "early-connection"])
+def test_an_atomic_views_own_rollback_and_commit_are_refused(
+    pg_url: str, apps: list[Flask], early: bool
+) -> None:
+    app, _ = _app(pg_url, early=early)
+    apps.append(app)
+    client = app.test_client()
+    first = client.post("/ledger", headers={"Idempotency-Key": "atomic-early-1"})
+    second = client.post("/ledger", headers={"Idempotency-Key": "atomic-early-1"})
+    assert _rows(app) == 0, (
+        f"the view's own rollback/commit went through: rows committed without their record "
+        f"(answers {first.status_code}, {second.status_code})"
+    )
+    assert first.status_code == 500, first.get_data(as_text=True)
