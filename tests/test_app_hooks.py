@@ -15,11 +15,11 @@ import typing as t
 import flask
 import pytest
 import sqlalchemy as sa
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idem import Idempotency
-from flask_idem.store import SQLStore, normalize_url
+from flask_idem.store import SQLStore
+
+from .fsa_app import Order, application, db, discard
 
 ledger = sa.Table(
     "hook_ledger",
@@ -27,19 +27,6 @@ ledger = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("charge", sa.String(64)),
 )
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Payment(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "hook_payments"
-    id: Mapped[int] = mapped_column(primary_key=True)
-    amount: Mapped[int] = mapped_column()
 
 
 def test_a_hook_raising_after_the_charge_keeps_the_payment_and_its_replay(
@@ -83,12 +70,7 @@ def test_a_hook_raising_after_the_charge_keeps_the_payment_and_its_replay(
 
 @pytest.fixture
 def committing_app(db_url: str) -> t.Iterator[flask.Flask]:
-    app = flask.Flask("commit-hook")
-    app.config.update(
-        SQLALCHEMY_DATABASE_URI=normalize_url(db_url).render_as_string(hide_password=False),
-        PROPAGATE_EXCEPTIONS=False,
-    )
-    db.init_app(app)
+    app = application(db_url, "commit-hook")
 
     @app.after_request
     def commit_session(response: flask.Response) -> flask.Response:
@@ -101,15 +83,13 @@ def committing_app(db_url: str) -> t.Iterator[flask.Flask]:
     @app.post("/payments")
     @idem.idempotent
     def pay() -> t.Any:
-        db.session.add(Payment(amount=100))
+        db.session.add(Order(note="100"))
         return {"paid": True}, 201
 
     with app.app_context():
         db.create_all()
     yield app
-    with app.app_context():
-        db.drop_all()
-        db.engine.dispose()
+    discard(app)
 
 
 def test_a_commit_hook_finds_the_session_settled(committing_app: flask.Flask) -> None:
@@ -119,7 +99,7 @@ def test_a_commit_hook_finds_the_session_settled(committing_app: flask.Flask) ->
     retry = client.post("/payments", headers={"Idempotency-Key": "hook-1"})
     assert retry.status_code == 201 and retry.headers.get("Idempotent-Replayed") == "true"
     with committing_app.app_context():
-        assert db.session.scalar(sa.select(sa.func.count()).select_from(Payment)) == 1
+        assert db.session.scalar(sa.select(sa.func.count()).select_from(Order)) == 1
 
 
 DOCUMENT = {"id": "pay_1", "status": "succeeded", "description": "x" * 1000}

@@ -10,35 +10,17 @@ import typing as t
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idem import Idempotency
-from flask_idem.store import normalize_url
 from flask_idem.testing import empty_store
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Ledger(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "review_atomic_early_ledger"
-    id: Mapped[int] = mapped_column(primary_key=True)
+from .fsa_app import Order, application, db, discard
 
 
 def _app(pg_url: str, *, early: bool) -> tuple[Flask, Idempotency]:
     # PostgreSQL: on SQLite the hook's open transaction holds the write lock (see
     # tests/test_early_connection_commit_guard.py).
-    app = Flask("atomic-early")
-    app.config.update(
-        SQLALCHEMY_DATABASE_URI=normalize_url(pg_url).render_as_string(hide_password=False),
-        PROPAGATE_EXCEPTIONS=False,
-    )
-    db.init_app(app)
+    app = application(pg_url, "atomic-early")
     idem = Idempotency(app, db=db, tenant=lambda: "alpha")
     empty_store(app.extensions["idempotency"].store)
 
@@ -52,7 +34,7 @@ def _app(pg_url: str, *, early: bool) -> tuple[Flask, Idempotency]:
     @idem.idempotent(atomic=True)
     def book() -> t.Any:
         db.session.rollback()  # forbidden before the view answered: SessionSettled
-        db.session.add(Ledger())
+        db.session.add(Order())
         db.session.commit()  # forbidden in a protected view: SessionSettled
         return {"booked": True}, 201
 
@@ -66,15 +48,12 @@ def apps() -> t.Iterator[list[Flask]]:
     made: list[Flask] = []
     yield made
     for app in made:
-        with app.app_context():
-            db.session.remove()
-            db.drop_all()
-            db.engine.dispose()
+        discard(app)
 
 
 def _rows(app: Flask) -> int:
     with app.app_context():
-        count = db.session.scalar(sa.select(sa.func.count()).select_from(Ledger))
+        count = db.session.scalar(sa.select(sa.func.count()).select_from(Order))
         db.session.remove()
         return int(count or 0)
 

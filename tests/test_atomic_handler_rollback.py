@@ -11,35 +11,17 @@ import flask
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from werkzeug.exceptions import HTTPException
 
 from flask_idem import Idempotency
-from flask_idem.store import normalize_url
 from flask_idem.testing import empty_store
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Order(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "review_atomic_handler_orders"
-    id: Mapped[int] = mapped_column(primary_key=True)
+from .fsa_app import Order, application, db, discard
 
 
 @pytest.fixture
 def app(db_url: str) -> t.Iterator[Flask]:
-    app = Flask("atomic-handler")
-    app.config.update(
-        SQLALCHEMY_DATABASE_URI=normalize_url(db_url).render_as_string(hide_password=False),
-        PROPAGATE_EXCEPTIONS=False,
-    )
-    db.init_app(app)
+    app = application(db_url, "atomic-handler")
     idem = Idempotency(app, db=db, tenant=lambda: "alpha")
     empty_store(app.extensions["idempotency"].store)
 
@@ -58,10 +40,7 @@ def app(db_url: str) -> t.Iterator[Flask]:
     with app.app_context():
         db.create_all()
     yield app
-    with app.app_context():
-        db.session.remove()
-        db.drop_all()
-        db.engine.dispose()
+    discard(app)
 
 
 def test_an_atomic_views_404_survives_the_handlers_rollback(app: Flask) -> None:

@@ -10,35 +10,17 @@ import typing as t
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idem import Idempotency
-from flask_idem.store import normalize_url
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Payment(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "review_settled_payments"
-    id: Mapped[int] = mapped_column(primary_key=True)
+from .fsa_app import Order, application, db, discard
 
 
 @pytest.fixture
 def app(pg_url: str) -> t.Iterator[Flask]:
     # PostgreSQL: on SQLite the hook's open session transaction holds the write lock, and
     # the claim itself waits 5 s and answers 503 (the same root cause, another symptom).
-    app = Flask("settled")
-    app.config.update(
-        SQLALCHEMY_DATABASE_URI=normalize_url(pg_url).render_as_string(hide_password=False),
-        PROPAGATE_EXCEPTIONS=False,
-    )
-    db.init_app(app)
+    app = application(pg_url, "settled")
     idem = Idempotency(app, db=db, tenant=lambda: "alpha")
 
     @app.before_request
@@ -48,22 +30,20 @@ def app(pg_url: str) -> t.Iterator[Flask]:
     @app.post("/payments")
     @idem.idempotent(recovery="reexecute")
     def pay() -> t.Any:
-        db.session.add(Payment())
+        db.session.add(Order())
         db.session.commit()  # forbidden in a protected view: must raise SessionSettled
         return {"paid": True}, 201
 
     with app.app_context():
         db.create_all()
     yield app
-    with app.app_context():
-        db.drop_all()
-        db.engine.dispose()
+    discard(app)
 
 
 def test_the_views_own_commit_is_refused_after_an_early_connection(app: Flask) -> None:
     client = app.test_client()
     first = client.post("/payments", headers={"Idempotency-Key": "settled-1"})
     with app.app_context():
-        count = db.session.scalar(sa.select(sa.func.count()).select_from(Payment))
+        count = db.session.scalar(sa.select(sa.func.count()).select_from(Order))
     assert count == 0, f"the view committed its rows itself (answer {first.status_code})"
     assert first.status_code == 500, first.get_data(as_text=True)

@@ -13,27 +13,13 @@ import typing as t
 
 import flask
 import pytest
-import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from werkzeug.exceptions import HTTPException
 
 from flask_idem import Idempotency
 from flask_idem.store import normalize_url
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Order(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "setup_orders"
-    id: Mapped[int] = mapped_column(primary_key=True)
-    note: Mapped[str] = mapped_column(sa.String(50))
+from .fsa_app import Order, db, discard, notes
 
 
 def _app(db_url: str, *, db_argument: bool, handler: bool = False) -> tuple[Flask, Idempotency]:
@@ -63,14 +49,7 @@ def apps() -> t.Iterator[list[Flask]]:
     made: list[Flask] = []
     yield made
     for app in made:
-        with app.app_context():
-            db.drop_all()
-            db.engine.dispose()
-
-
-def _notes(app: Flask) -> list[str]:
-    with app.app_context():
-        return sorted(db.session.scalars(sa.select(Order.note)))
+        discard(app)
 
 
 @pytest.mark.parametrize("atomic", [False, True], ids=["durable", "atomic"])
@@ -93,7 +72,7 @@ def test_the_same_database_named_twice_commits_the_session_with_the_record(
     assert client.post("/orders", headers=key).status_code == 201
     retry = client.post("/orders", headers=key)
     assert retry.headers["Idempotent-Replayed"] == "true"
-    assert _notes(app) == ["kept"]
+    assert notes(app) == ["kept"]
 
 
 def test_an_error_handler_that_rolls_back_keeps_the_answers(db_url: str, apps: list[Flask]) -> None:
@@ -115,7 +94,7 @@ def test_an_error_handler_that_rolls_back_keeps_the_answers(db_url: str, apps: l
     assert replay.status_code == 404 and replay.headers["Idempotent-Replayed"] == "true"
     crashed = client.post("/orders/crash", headers={"Idempotency-Key": "c"})
     assert crashed.status_code == 500 and crashed.get_json() == {"error": "internal"}
-    assert _notes(app) == [], "nothing the handler rolled back commits"
+    assert notes(app) == [], "nothing the handler rolled back commits"
 
 
 def test_refuse_ends_the_view_where_it_is_called(db_url: str, apps: list[Flask]) -> None:
@@ -134,8 +113,8 @@ def test_refuse_ends_the_view_where_it_is_called(db_url: str, apps: list[Flask])
     client = app.test_client()
     refused = client.post("/orders", headers={"Idempotency-Key": "q"})
     assert refused.status_code == 429 and refused.get_json() == {"error": "daily limit"}
-    assert _notes(app) == []
+    assert notes(app) == []
     quota["left"] = 1
     made = client.post("/orders", headers={"Idempotency-Key": "q"})
     assert made.status_code == 201 and "Idempotent-Replayed" not in made.headers
-    assert _notes(app) == ["made"]
+    assert notes(app) == ["made"]

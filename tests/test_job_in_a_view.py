@@ -10,34 +10,15 @@ import typing as t
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idem import Idempotency
-from flask_idem.store import normalize_url
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Order(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "review_job_in_view_orders"
-    id: Mapped[int] = mapped_column(primary_key=True)
+from .fsa_app import Order, application, db, discard
 
 
 @pytest.fixture
 def app(db_url: str) -> t.Iterator[Flask]:
-    app = Flask("job-in-view")
-    app.config.update(
-        SQLALCHEMY_DATABASE_URI=normalize_url(db_url).render_as_string(hide_password=False),
-        PROPAGATE_EXCEPTIONS=False,
-        IDEMPOTENCY_ENABLED=False,
-    )
-    db.init_app(app)
+    app = application(db_url, "job-in-view", IDEMPOTENCY_ENABLED=False)
     idem = Idempotency(app, db=db, tenant=lambda: "alpha")
 
     @idem.job("receipt", key="order", tenant="merchant")
@@ -59,10 +40,7 @@ def app(db_url: str) -> t.Iterator[Flask]:
     with app.app_context():
         db.create_all()
     yield app
-    with app.app_context():
-        db.session.remove()
-        db.drop_all()
-        db.engine.dispose()
+    discard(app)
 
 
 def test_a_failing_switched_off_job_keeps_the_views_rows(app: Flask) -> None:

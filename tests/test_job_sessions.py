@@ -9,24 +9,11 @@ import typing as t
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idem import Idempotency
 from flask_idem.store import normalize_url
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Renewal(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "review_off_renewals"
-    id: Mapped[int] = mapped_column(primary_key=True)
-    order_id: Mapped[str] = mapped_column(sa.String(50))
+from .fsa_app import Order, db, discard
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["on", "off"])
@@ -41,7 +28,7 @@ def test_a_job_keeps_its_session_writes_switched_on_or_off(db_url: str, enabled:
 
     @idem.job("renew", key="order_id", tenant="merchant")
     def renew(merchant: str, order_id: str) -> dict[str, t.Any]:
-        db.session.add(Renewal(order_id=order_id))  # no commit: flask_idem commits
+        db.session.add(Order(note=order_id))  # no commit: flask_idem commits
         return {"renewed": order_id}
 
     with app.app_context():
@@ -50,9 +37,7 @@ def test_a_job_keeps_its_session_writes_switched_on_or_off(db_url: str, enabled:
         with app.app_context():
             assert renew("alpha", "o-1") == {"renewed": "o-1"}
         with app.app_context():
-            rows = list(db.session.scalars(sa.select(Renewal.order_id)))
+            rows = list(db.session.scalars(sa.select(Order.note)))
         assert rows == ["o-1"], f"the job's write was lost (IDEMPOTENCY_ENABLED={enabled})"
     finally:
-        with app.app_context():
-            db.drop_all()
-            db.engine.dispose()
+        discard(app)

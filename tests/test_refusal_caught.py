@@ -10,34 +10,16 @@ import typing as t
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idem import Idempotency
-from flask_idem.store import normalize_url
 from flask_idem.testing import empty_store
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Charge(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "review_refuse_charges"
-    id: Mapped[int] = mapped_column(primary_key=True)
+from .fsa_app import Order, application, db, discard
 
 
 @pytest.fixture
 def app(db_url: str) -> t.Iterator[tuple[Flask, list[int]]]:
-    app = Flask("refuse-swallowed")
-    app.config.update(
-        SQLALCHEMY_DATABASE_URI=normalize_url(db_url).render_as_string(hide_password=False),
-        PROPAGATE_EXCEPTIONS=False,
-    )
-    db.init_app(app)
+    app = application(db_url, "refuse-swallowed")
     idem = Idempotency(app, db=db, tenant=lambda: "alpha")
     empty_store(app.extensions["idempotency"].store)
     provider: list[int] = []
@@ -53,16 +35,13 @@ def app(db_url: str) -> t.Iterator[tuple[Flask, list[int]]]:
         except Exception:
             pass  # the quota service is best effort: fail open
         provider.append(1)  # the provider charges the card
-        db.session.add(Charge())
+        db.session.add(Order())
         return {"charged": True}, 201
 
     with app.app_context():
         db.create_all()
     yield app, provider
-    with app.app_context():
-        db.session.remove()
-        db.drop_all()
-        db.engine.dispose()
+    discard(app)
 
 
 def test_a_caught_refusal_does_not_give_up_the_answer_that_followed(
@@ -74,7 +53,7 @@ def test_a_caught_refusal_does_not_give_up_the_answer_that_followed(
     assert first.status_code == 201
     retry = client.post("/charges", headers={"Idempotency-Key": "swallowed-1"})
     with flask_app.app_context():
-        rows = db.session.scalar(sa.select(sa.func.count()).select_from(Charge))
+        rows = db.session.scalar(sa.select(sa.func.count()).select_from(Order))
         db.session.remove()
     assert len(provider) == 1, f"charged {len(provider)} times under one key"
     assert retry.headers.get("Idempotent-Replayed") == "true"

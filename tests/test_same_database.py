@@ -13,25 +13,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idem import Idempotency
 from flask_idem.migrate import upgrade
 from flask_idem.store import normalize_url
 from flask_idem.testing import empty_store
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Order(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "review_spelling_orders"
-    id: Mapped[int] = mapped_column(primary_key=True)
+from .fsa_app import Order, db, discard
 
 
 def _pg_spellings(pg_url: str) -> dict[str, str]:
@@ -84,9 +72,7 @@ def _run(fsa_url: str, idem_url: str) -> tuple[bool, list[int], int]:
             rows = int(db.session.scalar(sa.select(sa.func.count()).select_from(Order)) or 0)
             db.session.remove()
     finally:
-        with app.app_context():
-            db.drop_all()
-            db.engine.dispose()
+        discard(app)
         state.store.engine.dispose()
     return state.sessions is not None, statuses, rows
 

@@ -16,25 +16,11 @@ import flask
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idem import Idempotency
 from flask_idem.store import normalize_url
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Order(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "unclaimed_orders"
-    id: Mapped[int] = mapped_column(primary_key=True)
-    note: Mapped[str] = mapped_column(sa.String(50))
-
+from .fsa_app import Order, db, discard, notes
 
 #: How a request to a protected view ends up unclaimed: config, and the method it is sent with.
 UNCLAIMED = {
@@ -91,14 +77,7 @@ def build(db_url: str) -> t.Iterator[t.Callable[..., Flask]]:
 
     yield make
     for app in apps:
-        with app.app_context():
-            db.drop_all()
-            db.engine.dispose()
-
-
-def _notes(app: Flask) -> list[str]:
-    with app.app_context():
-        return sorted(db.session.scalars(sa.select(Order.note)))
+        discard(app)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -113,7 +92,7 @@ def test_unclaimed_requests_commit_what_the_view_wrote(
         response = client.open(path, method=method)
         assert response.status_code == 201, response.get_data(as_text=True)
         assert "Idempotent-Replayed" not in response.headers
-    assert _notes(app) == ["core", "orm"], "both writes committed"
+    assert notes(app) == ["core", "orm"], "both writes committed"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -128,7 +107,7 @@ def test_unclaimed_requests_roll_back_where_a_claimed_one_would(
     assert client.open("/core/crash", method=method).status_code == 500
     assert client.open("/orm/busy", method=method).status_code == 503
     assert client.open("/orm/refused", method=method).status_code == 429
-    assert _notes(app) == [], "nothing of a crash, a never-stored status or a refusal commits"
+    assert notes(app) == [], "nothing of a crash, a never-stored status or a refusal commits"
 
 
 def test_a_switched_off_blueprint_keeps_its_writes(db_url: str) -> None:
@@ -153,11 +132,9 @@ def test_a_switched_off_blueprint_keeps_its_writes(db_url: str) -> None:
         db.create_all()
     try:
         assert app.test_client().post("/orders").status_code == 201
-        assert _notes(app) == ["bp"]
+        assert notes(app) == ["bp"]
     finally:
-        with app.app_context():
-            db.drop_all()
-            db.engine.dispose()
+        discard(app)
 
 
 def test_an_unprotected_view_that_raises_commits_nothing_of_idem_connection(
@@ -176,4 +153,4 @@ def test_an_unprotected_view_that_raises_commits_nothing_of_idem_connection(
     client = app.test_client()
     assert client.post("/plain/crash").status_code == 500
     assert client.post("/plain/kept").status_code == 201
-    assert _notes(app) == ["kept"]
+    assert notes(app) == ["kept"]

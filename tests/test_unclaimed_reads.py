@@ -13,24 +13,11 @@ import flask
 import pytest
 import sqlalchemy as sa
 from flask import Flask
-from flask_sqlalchemy import SQLAlchemy
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idem import Idempotency
 from flask_idem.store import normalize_url
 
-
-class Base(DeclarativeBase):
-    pass
-
-
-db = SQLAlchemy(model_class=Base)
-
-
-class Customer(db.Model):  # type: ignore[name-defined,misc]
-    __tablename__ = "review_read_customers"
-    id: Mapped[int] = mapped_column(primary_key=True)
-    name: Mapped[str] = mapped_column(sa.String(50))
+from .fsa_app import Order, db, discard
 
 
 @pytest.fixture(params=["protect_all", "protect_blueprint"])
@@ -48,26 +35,24 @@ def app(request: pytest.FixtureRequest, db_url: str) -> t.Iterator[Flask]:
 
     @api.get("/customers/<int:cid>")
     def show_customer(cid: int) -> t.Any:
-        customer = db.session.get(Customer, cid)
+        customer = db.session.get(Order, cid)
         assert customer is not None
-        customer.name = customer.name.upper()  # for display only: never meant to be saved
-        return {"name": customer.name}
+        customer.note = customer.note.upper()  # for display only: never meant to be saved
+        return {"name": customer.note}
 
     app.register_blueprint(api)
     idem.init_app(app)
     with app.app_context():
         db.create_all()
-        db.session.add(Customer(id=1, name="ada"))
+        db.session.add(Order(id=1, note="ada"))
         db.session.commit()
     yield app
-    with app.app_context():
-        db.drop_all()
-        db.engine.dispose()
+    discard(app)
 
 
 def test_a_read_leaves_the_database_as_it_was(app: Flask) -> None:
     response = app.test_client().get("/customers/1")
     assert response.status_code == 200 and response.get_json() == {"name": "ADA"}
     with app.app_context():
-        name = db.session.scalar(sa.select(Customer.name).where(Customer.id == 1))
+        name = db.session.scalar(sa.select(Order.note).where(Order.id == 1))
     assert name == "ada", "a GET committed the view's in-memory change"
