@@ -18,7 +18,7 @@ from flask_idem.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import age_record, empty_store
 
-from . import pgcluster
+from . import fsa_app, pgcluster
 
 DIALECTS = ("postgresql", "sqlite")
 
@@ -193,3 +193,12 @@ def app_factory(store: SQLStore) -> t.Callable[..., tuple[Flask, Idempotency, Co
         return app, idem, counter
 
     return make
+
+
+@pytest.fixture
+def fsa_apps() -> t.Iterator[list[Flask]]:
+    """Flask-SQLAlchemy applications a test builds (``tests/fsa_app.py``), discarded after it."""
+    made: list[Flask] = []
+    yield made
+    for app in made:
+        fsa_app.discard(app)

@@ -14,7 +14,7 @@ from flask import Flask
 from flask_idem import Idempotency
 from flask_idem.testing import empty_store
 
-from .fsa_app import Order, application, db, discard
+from .fsa_app import Order, application, db
 
 
 def _app(pg_url: str, *, early: bool) -> tuple[Flask, Idempotency]:
@@ -43,14 +43,6 @@ def _app(pg_url: str, *, early: bool) -> tuple[Flask, Idempotency]:
     return app, idem
 
 
-@pytest.fixture
-def apps() -> t.Iterator[list[Flask]]:
-    made: list[Flask] = []
-    yield made
-    for app in made:
-        discard(app)
-
-
 def _rows(app: Flask) -> int:
     with app.app_context():
         count = db.session.scalar(sa.select(sa.func.count()).select_from(Order))
@@ -60,10 +52,10 @@ def _rows(app: Flask) -> int:
 
 @pytest.mark.parametrize("early", [False, True], ids=["no-hook", "early-connection"])
 def test_an_atomic_views_own_rollback_and_commit_are_refused(
-    pg_url: str, apps: list[Flask], early: bool
+    pg_url: str, fsa_apps: list[Flask], early: bool
 ) -> None:
     app, _ = _app(pg_url, early=early)
-    apps.append(app)
+    fsa_apps.append(app)
     client = app.test_client()
     first = client.post("/ledger", headers={"Idempotency-Key": "atomic-early-1"})
     second = client.post("/ledger", headers={"Idempotency-Key": "atomic-early-1"})

@@ -19,7 +19,7 @@ from werkzeug.exceptions import HTTPException
 from flask_idem import Idempotency
 from flask_idem.store import normalize_url
 
-from .fsa_app import Order, db, discard, notes
+from .fsa_app import Order, db, notes
 
 
 def _app(db_url: str, *, db_argument: bool, handler: bool = False) -> tuple[Flask, Idempotency]:
@@ -44,20 +44,12 @@ def _app(db_url: str, *, db_argument: bool, handler: bool = False) -> tuple[Flas
     return app, idem
 
 
-@pytest.fixture
-def apps() -> t.Iterator[list[Flask]]:
-    made: list[Flask] = []
-    yield made
-    for app in made:
-        discard(app)
-
-
 @pytest.mark.parametrize("atomic", [False, True], ids=["durable", "atomic"])
 def test_the_same_database_named_twice_commits_the_session_with_the_record(
-    db_url: str, apps: list[Flask], atomic: bool
+    db_url: str, fsa_apps: list[Flask], atomic: bool
 ) -> None:
     app, idem = _app(db_url, db_argument=False)
-    apps.append(app)
+    fsa_apps.append(app)
     with app.app_context():
         assert app.extensions["idempotency"].store.engine is db.engine, "one engine"
 
@@ -75,9 +67,11 @@ def test_the_same_database_named_twice_commits_the_session_with_the_record(
     assert notes(app) == ["kept"]
 
 
-def test_an_error_handler_that_rolls_back_keeps_the_answers(db_url: str, apps: list[Flask]) -> None:
+def test_an_error_handler_that_rolls_back_keeps_the_answers(
+    db_url: str, fsa_apps: list[Flask]
+) -> None:
     app, idem = _app(db_url, db_argument=True, handler=True)
-    apps.append(app)
+    fsa_apps.append(app)
 
     @app.post("/orders/<note>")
     @idem.idempotent
@@ -97,9 +91,9 @@ def test_an_error_handler_that_rolls_back_keeps_the_answers(db_url: str, apps: l
     assert notes(app) == [], "nothing the handler rolled back commits"
 
 
-def test_refuse_ends_the_view_where_it_is_called(db_url: str, apps: list[Flask]) -> None:
+def test_refuse_ends_the_view_where_it_is_called(db_url: str, fsa_apps: list[Flask]) -> None:
     app, idem = _app(db_url, db_argument=True)
-    apps.append(app)
+    fsa_apps.append(app)
     quota = {"left": 0}
 
     @app.post("/orders")
