@@ -21,8 +21,9 @@ raised (any exception, ``SystemExit``,         released if releasable,    releas
 killed (kill -9, OOM)                          in progress, then stuck    ``JobInProgress``, then
                                                when its lease runs out    as ``unknown``
 still running (its lease is renewed)           unchanged                  ``JobInProgress``
-returned something not JSON, or larger         ``unstored``               ``JobResultNotStored``
-than ``IDEMPOTENCY_MAX_BODY``
+returned something not JSON (or that JSON      ``unstored``               ``JobResultNotStored``
+gives back altered, or nested too deeply), or
+larger than ``IDEMPOTENCY_MAX_BODY``
 lost its lease to a re-run                     the taker's                ``JobInProgress`` (the
                                                                           first run raises it)
 same key with other arguments                  unchanged                  ``JobKeyReused``
@@ -249,7 +250,7 @@ def _replayed(record: Record) -> t.Any:
     emit(signals.replayed, record.scope, status=record.response.status)
     try:
         return json.loads(record.response.body)
-    except ValueError:
+    except (ValueError, RecursionError):
         # Only a reconciler's verdict can store a body that is no JSON.
         raise JobResultNotStored(
             f"{record.scope.endpoint} message {key_hash(record.scope)} completed with a "
@@ -306,14 +307,33 @@ def _execute(
 
 
 def _snapshot(app_state: AppState, value: t.Any) -> StoredResponse | None:
-    """The job's return value as stored JSON (never pickle), or None when it cannot be."""
+    """The job's return value as stored JSON (never pickle), or None when it cannot be: not
+    JSON, nested deeper than the encoder's stack, larger than ``IDEMPOTENCY_MAX_BODY``, or
+    holding a mapping key that is no string (JSON would give ``{1: "a"}`` back as
+    ``{"1": "a"}``, and ``{1: "a", "1": "b"}`` as ``{"1": "b"}``: a redelivery must get the
+    value the job returned, or be told it was not stored, never another value)."""
     try:
         body = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None
-    if len(body) > app_state.settings.max_body:
+    if len(body) > app_state.settings.max_body or not _string_keys_only(value):
         return None
     return StoredResponse(200, _RESULT_HEADERS, body)
+
+
+def _string_keys_only(value: t.Any) -> bool:
+    """Whether every mapping in ``value`` has string keys only (iterative: ``value`` is as deep
+    as ``json.dumps`` allows)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if not all(isinstance(key, str) for key in item):
+                return False
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+    return True
 
 
 def _value(argument: JobArgument, call: inspect.BoundArguments) -> t.Any:

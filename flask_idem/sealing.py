@@ -74,6 +74,10 @@ MAX_PAYLOAD = 65 * 1024 * 1024
 DEFAULT_COMPRESS_MIN = 1024
 
 KEY_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,16}")
+#: What a completion can have stored: RFC 9110 field names (tokens) and values without control
+#: characters (a CR or LF replayed would split the header into two).
+HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+HEADER_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 _LENGTH = struct.Struct(">I")
 _URLSAFE = str.maketrans("-_", "+/")
 _AAD_CONTEXT = b"flask_idem/stored-response/v1"
@@ -273,10 +277,12 @@ class Sealer:
             ciphertext does not authenticate (wrong key, tampered, moved from another row), or
             it is stored unencrypted while ``require_encrypted`` is on.
         """
+        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+            raise UnreadableResponse("the stored status is not an HTTP status")
         if headers is not None:
             if self.require_encrypted:
                 raise UnreadableResponse("stored unencrypted (IDEMPOTENCY_REQUIRE_ENCRYPTED)")
-            return StoredResponse(status, tuple((str(k), str(v)) for k, v in headers), body)
+            return StoredResponse(status, _header_pairs(headers), body)
         if len(body) < HEADER_SIZE or body[: len(MAGIC)] != MAGIC:
             raise UnreadableResponse("malformed envelope")
         header = body[:HEADER_SIZE]
@@ -347,10 +353,32 @@ def _split(status: int, payload: bytes) -> StoredResponse:
     try:
         (length,) = _LENGTH.unpack_from(payload)
         headers = json.loads(payload[_LENGTH.size : _LENGTH.size + length])
-        pairs = tuple((str(name), str(value)) for name, value in headers)
-    except (struct.error, ValueError, TypeError):
+    except (struct.error, ValueError, RecursionError):
+        # RecursionError: a forged payload nested deeper than the parser's stack.
         raise UnreadableResponse("malformed payload") from None
-    return StoredResponse(status, pairs, payload[_LENGTH.size + length :])
+    return StoredResponse(status, _header_pairs(headers), payload[_LENGTH.size + length :])
+
+
+def _header_pairs(headers: t.Any) -> tuple[tuple[str, str], ...]:
+    """The stored headers as ``seal`` wrote them, a list of ``[name, value]`` string pairs
+    that are valid HTTP fields; anything else was written by someone else and is not replayed
+    (a CR or LF in it would even inject headers into the replay)."""
+    if not isinstance(headers, list):
+        raise UnreadableResponse("malformed headers")
+    pairs = []
+    for pair in headers:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise UnreadableResponse("malformed headers")
+        name, value = pair
+        if not (
+            isinstance(name, str)
+            and isinstance(value, str)
+            and HEADER_NAME.fullmatch(name)
+            and HEADER_VALUE.fullmatch(value)
+        ):
+            raise UnreadableResponse("malformed headers")
+        pairs.append((name, value))
+    return tuple(pairs)
 
 
 def unreadable_problem(record: Record) -> Problem:

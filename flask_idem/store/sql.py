@@ -173,11 +173,17 @@ def build_record(
     unreadable = None
     if response_status is not None and response_body is not None:
         try:
+            if not isinstance(response_body, bytes | bytearray | memoryview):
+                # SQLite stores whatever a statement wrote, text included.
+                raise UnreadableResponse("the stored body is not bytes")
             response = sealer.open(
                 scope, created_at, response_status, response_headers, bytes(response_body)
             )
         except UnreadableResponse as exc:
             unreadable = exc.reason
+    elif state == State.COMPLETED.value:
+        # Every completion writes both: a completed row without them was altered.
+        unreadable = "the stored status or body is missing"
     return Record(
         scope=scope,
         fingerprint=bytes(fingerprint),

@@ -1,0 +1,83 @@
+"""A job's result is stored only when JSON gives it back as it was returned (tuples come back
+as lists): a result too deeply nested to encode, or a mapping whose keys JSON would turn into
+strings, completes ``unstored``; the job's effect never runs a second time."""
+
+from __future__ import annotations
+
+import typing as t
+
+import flask
+import pytest
+
+from flask_idem import Idempotency, Scope, State
+from flask_idem.errors import JobResultNotStored
+from flask_idem.store import SQLStore
+
+from .conftest import Counter
+
+ENDPOINT = "JOB settle-order"
+
+
+def _nested(depth: int) -> list[t.Any]:
+    value: list[t.Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.fixture
+def app(store: SQLStore) -> flask.Flask:
+    app = flask.Flask("job-results")
+    app.config.update(IDEMPOTENCY_LEASE=1)
+    app.extensions["test_idem"] = Idempotency(app, store=store)
+    return app
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        _nested(1_000),
+        {1: "a", "1": "b"},
+        {1: "a"},
+        {"order": {None: "x"}},
+        [{"ok": True}, {2.5: "x"}],
+        ({True: 1},),
+    ],
+    ids=["nested-1000", "colliding-keys", "int-key", "none-key", "float-key", "bool-key"],
+)
+def test_a_result_json_cannot_give_back_is_unstored_and_never_reruns(
+    app: flask.Flask, store: SQLStore, result: t.Any
+) -> None:
+    idem: Idempotency = app.extensions["test_idem"]
+    runs = Counter()
+
+    @idem.job("settle-order", key="order_id", tenant="merchant")
+    def settle_order(merchant: str, order_id: str) -> t.Any:
+        runs.bump()
+        return result
+
+    with app.app_context():
+        assert settle_order("alpha", "order-1") is result, "the first call gets its value"
+        for _ in range(2):
+            with pytest.raises(JobResultNotStored):
+                settle_order("alpha", "order-1")
+    assert runs.calls == 1
+    record = store.get(Scope("alpha", ENDPOINT, "order-1"))
+    assert record is not None and record.state is State.UNSTORED
+
+
+def test_string_keys_and_tuples_still_replay(app: flask.Flask) -> None:
+    """What JSON does give back is stored as before: tuples return as lists (documented)."""
+    idem: Idempotency = app.extensions["test_idem"]
+    runs = Counter()
+
+    @idem.job("settle-order", key="order_id", tenant="merchant")
+    def settle_order(merchant: str, order_id: str) -> t.Any:
+        runs.bump()
+        return {"1": ("a", {"b": None}), "nested": _nested(100)}
+
+    with app.app_context():
+        settle_order("alpha", "order-1")
+        again = settle_order("alpha", "order-1")
+    assert again == {"1": ["a", {"b": None}], "nested": _nested(100)}
+    assert runs.calls == 1

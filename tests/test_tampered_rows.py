@@ -1,0 +1,133 @@
+"""Stored rows altered in the database (by hand, a bad restore, an attacker with write access)
+are never replayed as they stand and never answer 500: a retry gets 503
+``stored-response-unreadable``, and the view does not run again (the operation happened)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+import typing as t
+import zlib
+
+import flask
+import pytest
+import sqlalchemy as sa
+
+from flask_idem import Idempotency
+from flask_idem.sealing import MAGIC
+from flask_idem.store import SQLStore
+
+from .conftest import Counter
+
+BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
+KEYS = {"k1": base64.b64encode(os.urandom(32)).decode()}
+#: A compressed envelope whose headers JSON is nested 100,000 levels deep.
+DEEP_HEADERS = b"[" * 100_000 + b"]" * 100_000
+DEEP_ENVELOPE = (
+    MAGIC
+    + b"\x01\x01"
+    + b"\0" * 16
+    + zlib.compress(struct.pack(">I", len(DEEP_HEADERS)) + DEEP_HEADERS + b"{}")
+)
+
+App = tuple[flask.Flask, Idempotency, Counter]
+
+
+def _post(app: flask.Flask) -> t.Any:
+    return app.test_client().post(
+        "/payments", json={"amount": 4200}, headers={"Idempotency-Key": "tampered-1"}
+    )
+
+
+def _tamper(store: SQLStore, assignments: str, **values: t.Any) -> None:
+    with store.engine.begin() as conn:
+        updated = conn.execute(
+            sa.text(f"UPDATE idempotency_keys SET {assignments} WHERE key = 'tampered-1'"),
+            values,
+        )
+        assert updated.rowcount == 1
+
+
+def _headers_json(store: SQLStore) -> str:
+    """How a statement writes JSON text into ``response_headers`` on this dialect."""
+    return "CAST(:headers AS jsonb)" if store.engine.dialect.name == "postgresql" else ":headers"
+
+
+def _retry_is_unreadable(app: flask.Flask, counter: Counter) -> None:
+    for _ in range(2):
+        retry = _post(app)
+        assert retry.status_code == 503, retry.data
+        assert retry.mimetype == "application/problem+json"
+        assert retry.json["type"] == BASE + "stored-response-unreadable"
+        assert "Idempotent-Replayed" not in retry.headers
+    assert counter.calls == 1
+
+
+@pytest.mark.parametrize("column", ["response_status", "response_body"])
+def test_an_encrypted_row_missing_its_status_or_body_is_unreadable(
+    app_factory: t.Callable[..., App], store: SQLStore, column: str
+) -> None:
+    app, _, counter = app_factory(IDEMPOTENCY_ENCRYPTION_KEYS=KEYS)
+    assert _post(app).status_code == 201
+    _tamper(store, f"{column} = NULL")
+    _retry_is_unreadable(app, counter)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Location": "/payments/pay_1"},
+        5,
+        "Location",
+        [["a"]],
+        [["Location", "/payments/pay_1", "extra"]],
+        [["Location", 5]],
+        [[None, "x"]],
+        [["Location", "/payments/pay_1\r\nSet-Cookie: session=stolen"]],
+        [["Location", "/payments/pay_1\nX-Injected: 1"]],
+        [["X-Injected\r\nSet-Cookie", "session=stolen"]],
+        [["Bad Name", "x"]],
+        [["", "x"]],
+    ],
+    ids=repr,
+)
+def test_a_plain_row_with_malformed_headers_is_unreadable(
+    app_factory: t.Callable[..., App], store: SQLStore, headers: t.Any
+) -> None:
+    app, _, counter = app_factory()
+    assert _post(app).status_code == 201
+    _tamper(store, f"response_headers = {_headers_json(store)}", headers=json.dumps(headers))
+    _retry_is_unreadable(app, counter)
+
+
+@pytest.mark.parametrize("status", [0, -1, 99, 600, 1000])
+def test_a_plain_row_with_an_impossible_status_is_unreadable(
+    app_factory: t.Callable[..., App], store: SQLStore, status: int
+) -> None:
+    app, _, counter = app_factory()
+    assert _post(app).status_code == 201
+    _tamper(store, "response_status = :status", status=status)
+    _retry_is_unreadable(app, counter)
+
+
+def test_a_forged_envelope_with_deeply_nested_headers_is_unreadable(
+    app_factory: t.Callable[..., App], store: SQLStore
+) -> None:
+    app, _, counter = app_factory()
+    assert _post(app).status_code == 201
+    _tamper(store, "response_headers = NULL, response_body = :body", body=DEEP_ENVELOPE)
+    _retry_is_unreadable(app, counter)
+
+
+def test_well_formed_rows_still_replay(app_factory: t.Callable[..., App]) -> None:
+    """The checks refuse only what no completion writes: a real snapshot replays as stored."""
+    app, _, counter = app_factory()
+    first = _post(app)
+    retry = _post(app)
+    assert retry.status_code == 201 and retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.headers["Location"] == first.headers["Location"]
+    assert retry.get_data() == first.get_data()
+    assert counter.calls == 1
