@@ -46,8 +46,10 @@ killed (kill -9, OOM)                          in progress, then stuck    409 ``
 the store fails while storing                  released if releasable,    503; then as released
                                                else ``unknown`` (best     or ``unknown``
                                                effort)
-streamed or larger than ``MAX_BODY``           ``unstored``               409 ``response-not-
-                                                                          stored``
+a 4xx streamed or larger than ``MAX_BODY``,    released                   the same 4xx again
+releasable (nothing committed)
+any other answer streamed or larger than       ``unstored`` (sent with    409 ``response-not-
+``MAX_BODY``                                   ``Idempotent-Stored``)     stored``
 lost its lease to a takeover                   the taker's                409 ``request-in-
                                                                           progress``
 =============================================  =========================  ======================
@@ -407,8 +409,10 @@ def answer_existing(
     if found is Found.UNSTORED:
         emit(signals.not_stored, record.scope)
         raise ResponseNotStored(
-            "The original request completed but its response was too large or streamed "
-            "to be stored; it cannot be replayed."
+            "The original request ran and completed, but its response was streamed or larger "
+            "than this endpoint stores (IDEMPOTENCY_MAX_BODY), so it cannot be replayed; it "
+            "was not executed again. Look its result up instead of retrying: a new key would "
+            "run the operation a second time."
         )
     if found is Found.RUNNING:
         if time.monotonic() < deadline:
@@ -634,6 +638,12 @@ def response_snapshot(settings: Settings, response: Response) -> StoredResponse 
 def _complete(app_state: AppState, state: RequestState, response: Response) -> Response:
     assert state.scope is not None and state.token is not None
     snapshot = response_snapshot(app_state.settings, response)
+    if snapshot is None and 400 <= response.status_code < 500 and state.releasable:
+        # A client error too large to keep, from an attempt that provably committed nothing
+        # (a validation answer before any contact): kept as unstored, it would answer 409 to
+        # every retry of a request that only needs fixing. Given back, a retry gets it again.
+        give_up(app_state, state, "its 4xx answer is too large to store")
+        return response
     try:
         stored = store_result(app_state, state, snapshot)
     except StoreUnavailable as exc:
@@ -660,6 +670,8 @@ def _complete(app_state: AppState, state: RequestState, response: Response) -> R
             "retries get 409 response-not-stored",
             extra={"key_hash": key_hash(state.scope)},
         )
+        # The only caller that gets this answer learns that no retry will.
+        response.headers["Idempotent-Stored"] = "false"
     return response
 
 
