@@ -8,6 +8,7 @@ import typing as t
 
 import flask
 import pytest
+import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope, State
 from flask_idem.errors import JobResultNotStored
@@ -66,18 +67,26 @@ def test_a_result_json_cannot_give_back_is_unstored_and_never_reruns(
     assert record is not None and record.state is State.UNSTORED
 
 
-def test_string_keys_and_tuples_still_replay(app: flask.Flask) -> None:
-    """What JSON does give back is stored as before: tuples return as lists (documented)."""
+def test_a_stored_result_altered_into_deeply_nested_json_is_not_replayed(
+    app: flask.Flask, store: SQLStore
+) -> None:
+    """A row altered in the database to JSON deeper than the decoder's stack raises
+    ``JobResultNotStored`` on redelivery, never a ``RecursionError``, and never a second run."""
     idem: Idempotency = app.extensions["test_idem"]
     runs = Counter()
 
     @idem.job("settle-order", key="order_id", tenant="merchant")
     def settle_order(merchant: str, order_id: str) -> t.Any:
         runs.bump()
-        return {"1": ("a", {"b": None}), "nested": _nested(100)}
+        return {"settled": True}
 
     with app.app_context():
         settle_order("alpha", "order-1")
-        again = settle_order("alpha", "order-1")
-    assert again == {"1": ["a", {"b": None}], "nested": _nested(100)}
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE idempotency_keys SET response_body = :body WHERE key = 'order-1'"),
+            {"body": b"[" * 100_000 + b"]" * 100_000},
+        )
+    with app.app_context(), pytest.raises(JobResultNotStored):
+        settle_order("alpha", "order-1")
     assert runs.calls == 1
