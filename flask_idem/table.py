@@ -9,6 +9,9 @@ advisory lock taken by the claim function (see :mod:`flask_idem.store.postgresql
 
 from __future__ import annotations
 
+import json
+import typing as t
+
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
@@ -26,7 +29,32 @@ metadata = sa.MetaData(
 )
 
 _timestamp = sa.DateTime(timezone=True)
-_json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+
+class _StoredJSON(sa.TypeDecorator[t.Any]):
+    """JSON that reads text which is no JSON as that text, unparsed.
+
+    SQLite keeps whatever a statement wrote into a JSON column (PostgreSQL's jsonb accepts only
+    JSON): a row altered into text that does not parse, or that nests deeper than the parser's
+    stack, must reach the sealer (which refuses it as malformed) instead of failing the fetch.
+    """
+
+    impl = sa.JSON
+    cache_ok = True
+
+    def result_processor(self, dialect: sa.Dialect, coltype: t.Any) -> t.Any:
+        def process(value: t.Any) -> t.Any:
+            if not isinstance(value, str | bytes):
+                return value
+            try:
+                return json.loads(value)
+            except (ValueError, RecursionError):
+                return value
+
+        return process
+
+
+_json = _StoredJSON().with_variant(postgresql.JSONB(), "postgresql")
 
 idempotency_keys = sa.Table(
     TABLE_NAME,
