@@ -12,6 +12,11 @@ from . import problems
 
 #: The largest amount the database column holds.
 MAX_AMOUNT = 2**63 - 1
+#: A payment's 201 echoes its description: bounded, the answer always fits the stored-answer
+#: limit (``IDEMPOTENCY_MAX_BODY``, 256 KiB), even with every character escaped as 12 bytes
+#: (``\\ud83d\\ude00``); a 201 too large to store could not be replayed to the retries.
+#: A longer description is a 400 before any charge.
+DESCRIPTION_MAX = 1000
 
 
 class WholeNumber(fields.Integer):
@@ -58,7 +63,7 @@ class PaymentSchema(Schema):
         validate=validate.Regexp(r"[a-z]{3}\Z", error="Must be three lowercase letters."),
     )
     customer = Text(required=True, validate=validate.Length(min=1, max=255))
-    description = Text()
+    description = Text(validate=validate.Length(max=DESCRIPTION_MAX))
     metadata = fields.Dict(keys=Text(), values=Text())
     # Volatile: left out of the fingerprint (see the view's ``exclude``), accepted and ignored.
     client_ts = fields.Raw()

@@ -145,15 +145,33 @@ def test_the_sample_answers_a_huge_invalid_request_with_its_400_every_time(
         assert retry.get_data() == first.get_data()
 
 
-def test_the_sample_tells_a_retry_why_a_huge_201_is_not_replayed(
+def test_the_sample_bounds_the_description_its_201_echoes_so_that_it_always_replays(
     sample_app: flask.Flask,
 ) -> None:
-    """A 300 KB description charges once; its 201 is larger than the sample stores."""
-    body = json.dumps(
-        {"amount": 4200, "currency": "eur", "customer": "cus_big", "description": "d" * 300_000}
-    ).encode()
-    first = _charge(sample_app, "huge-created-1", body)
-    assert first.status_code == 201 and first.headers["Idempotent-Stored"] == "false"
-    retry = _charge(sample_app, "huge-created-1", body)
-    assert retry.status_code == 409 and retry.json["type"].endswith("/response-not-stored")
-    assert "ran" in retry.json["detail"] and "not executed again" in retry.json["detail"]
+    """A 300 KB description got 201, then every retry 409 response-not-stored. The sample now
+    bounds the description its 201 echoes: at the bound, every character escaped to 12 bytes,
+    the 201 is stored and replays; past it, a 400 before any charge, and the same 400 on the
+    retry."""
+    from sample_app import schemas
+
+    wide = "\U0001f600"
+    widest = {
+        "amount": 4200,
+        "currency": "eur",
+        "customer": wide * 255,
+        "description": wide * schemas.DESCRIPTION_MAX,
+    }
+    first = _charge(sample_app, "widest-1", json.dumps(widest).encode())
+    assert first.status_code == 201, first.data[:300]
+    assert len(first.get_data()) > 12 * schemas.DESCRIPTION_MAX
+    assert "Idempotent-Stored" not in first.headers
+    retry = _charge(sample_app, "widest-1", json.dumps(widest).encode())
+    assert retry.status_code == 201 and retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.get_data() == first.get_data()
+    for length in (schemas.DESCRIPTION_MAX + 1, 300_000):
+        body = json.dumps({**widest, "description": "d" * length}).encode()
+        for _ in range(2):
+            response = _charge(sample_app, f"too-long-{length}", body)
+            assert response.status_code == 400, response.data[:300]
+            assert response.json["type"].endswith("/invalid-request")
+            assert "description" in response.json["errors"]
