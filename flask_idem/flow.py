@@ -578,6 +578,15 @@ def finish(response: Response) -> Response:
     if state.token is None:
         return _settle_unclaimed(app_state, state, response)
     stop_watching(app_state, state)
+    if state.work_lost:
+        # The view ended its own business transaction before answering: its rows are gone,
+        # so its answer (a 201, say) would be a lie, stored or not.
+        give_up(app_state, state, "the view ended its business transaction itself")
+        problem = InternalError(
+            "The request's database transaction ended before the server answered, so its "
+            "work was not recorded. " + _crash_outcome(state)
+        )
+        return _problem_response(app_state, state, problem)
     if state.crashed:
         give_up(app_state, state, "the view raised an exception")
         return response
@@ -723,15 +732,18 @@ def internal_error(error: InternalServerError) -> ResponseReturnValue:
     state = RequestState.current()
     if state is None or state.scope is None:
         return error
-    if state.token is None:
-        outcome = "Retry with the same key."  # it failed answering from the record
-    elif state.releasable:
-        outcome = "Nothing was recorded for this key; retry with the same key."
-    else:
-        outcome = "It may have had an effect; retry with the same key, never a new one."
     return InternalError(
-        "The server failed while processing the request. " + outcome
+        "The server failed while processing the request. " + _crash_outcome(state)
     ).get_response()
+
+
+def _crash_outcome(state: RequestState) -> str:
+    """What a failed request's client should do next, from what its attempt may have done."""
+    if state.token is None:
+        return "Retry with the same key."  # it failed answering from the record
+    if state.releasable:
+        return "Nothing was recorded for this key; retry with the same key."
+    return "It may have had an effect; retry with the same key, never a new one."
 
 
 def store_unavailable(error: StoreUnavailable) -> ResponseReturnValue:

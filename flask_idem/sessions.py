@@ -93,6 +93,8 @@ class FlaskSQLAlchemySessions:
         if not sa.event.contains(scoped, "before_commit", _refuse_commit):
             sa.event.listen(scoped, "before_commit", _refuse_commit)
             sa.event.listen(scoped, "after_soft_rollback", _refuse_rollback)
+            sa.event.listen(scoped, "after_begin", _note_connection)
+            sa.event.listen(scoped, "after_transaction_end", _note_end)
 
 
 def _sqlite_path(url: sa.URL) -> str | None:
@@ -184,6 +186,30 @@ def _claimed(session: t.Any) -> RequestState | None:
     if state is None or state.settling or state.token is None or state.finished:
         return None
     return state
+
+
+#: ``session.info`` key: the connections of the session's current (outermost) transaction.
+_CONNECTIONS = "flask_idem.connections"
+
+
+def business_connections(session: t.Any) -> tuple[sa.Connection, ...]:
+    """The connections the session's current transaction runs on (one per bind it used)."""
+    return tuple(session.info.get(_CONNECTIONS, ()))
+
+
+def _note_connection(session: t.Any, _transaction: t.Any, connection: sa.Connection) -> None:
+    session.info.setdefault(_CONNECTIONS, []).append(connection)
+
+
+def _note_end(session: t.Any, transaction: t.Any) -> None:
+    """The outermost transaction ended: if the claimed view ended it itself before answering
+    (``close()``, ``remove()``, a refused rollback it caught), its writes are gone."""
+    if transaction.parent is not None:
+        return  # a savepoint: the business transaction goes on
+    session.info.pop(_CONNECTIONS, None)
+    state = _claimed(session)
+    if state is not None and not state.answered:
+        state.work_lost = state.crashed = True
 
 
 def _refuse_commit(session: t.Any) -> None:
