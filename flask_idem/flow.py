@@ -76,8 +76,7 @@ import logging
 import time
 import typing as t
 
-import sqlalchemy as sa
-from flask import Request, current_app, has_app_context, request
+from flask import Request, current_app, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
@@ -337,53 +336,6 @@ def _claim_failed(scope: Scope, error: StoreUnavailable) -> StoreUnavailableProb
     return StoreUnavailableProblem(
         error.detail or "The idempotency store cannot be reached; the request was not executed."
     )
-
-
-def forbid_atomic_commits(engine: sa.Engine) -> None:
-    """Refuse an atomic view's own commit of its business transaction, on every connection of
-    the store's engine.
-
-    The check wraps this engine's ``dialect.do_commit`` (SQLAlchemy calls it for every
-    ``Connection.commit()``, also a session's) instead of listening to the ``commit`` event:
-    any connection event on an engine makes SQLAlchemy dispatch events around every statement,
-    transaction and checkout of it, which cost a protected request 6% of its instructions
-    (``valgrind --tool=callgrind``), commits or not.
-    """
-    dialect = engine.dialect
-    commit = dialect.do_commit
-    if getattr(commit, _COMMIT_GUARD, False):
-        return  # one engine shared by several applications
-
-    def do_commit(dbapi_connection: t.Any) -> None:
-        _refuse_own_commit(dbapi_connection)
-        commit(dbapi_connection)
-
-    setattr(do_commit, _COMMIT_GUARD, True)
-    dialect.do_commit = do_commit  # type: ignore[method-assign]
-
-
-_COMMIT_GUARD = "flask_idem_commit_guard"
-
-
-def _refuse_own_commit(dbapi_connection: t.Any) -> None:
-    """An atomic view's own commit would publish its claim half-way (in progress, no lease):
-    a duplicate could then run the view again. Only the extension commits it, at the end."""
-    if not has_app_context():
-        return
-    state = RequestState.current()
-    if state is None or state.token is None or state.finished or not state.atomic:
-        return
-    connection = state.connection
-    if (
-        connection is not None
-        and not connection.closed
-        and not connection.invalidated
-        and connection.connection is dbapi_connection
-    ):
-        raise RuntimeError(
-            "an atomic view must not commit idem.connection() itself: the extension commits "
-            "it with the stored response"
-        )
 
 
 def answer_existing(
