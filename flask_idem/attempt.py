@@ -7,8 +7,9 @@ from here, so a view and a job share one outcome model:
 :func:`own`       the claim is ours: watch its lease;
 :func:`store_result`  record the result, committed with the business transaction;
 :func:`give_up`   roll the business transaction back and release the key only when the attempt
-                  provably committed nothing (it declared its effects and had not yet declared
-                  contact with the outside world), else mark it ``unknown``.
+                  provably committed nothing (it declared its effects, had not yet declared
+                  contact with the outside world, and committed nothing itself), else mark it
+                  ``unknown``.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ transaction of a claimed attempt,
 both with :class:`~flask_idem.sessions.SessionSettled`, a crash of the view (a refused
 ``commit()`` rolls the transaction back: the view's writes are gone, and its answer is never
 stored even when it catches the exception). A transaction
-ended below SQLAlchemy (the DBAPI connection's own ``commit()``) cannot be refused:
-:func:`ended_outside` tells afterwards, and such an attempt is never released
-(:attr:`~flask_idem.state.RequestState.committed`).
+ended below SQLAlchemy (a ``COMMIT`` sent through a DBAPI cursor; SQLite's DBAPI ``commit()``)
+cannot be refused: :func:`ended_outside` tells afterwards, and such an attempt is never released
+(:attr:`~flask_idem.state.RequestState.committed`). psycopg2's own ``commit()`` leaves nothing
+to tell it from a transaction that never started.
 
 The checks wrap the store engine's dialect (``do_commit``, ``do_execute``) instead of
 listening to connection events: any connection event on an engine makes SQLAlchemy dispatch
@@ -39,8 +40,9 @@ from .sessions import SessionSettled, business_connections
 from .state import RequestState
 
 _GUARDED = "flask_idem_commit_guard"
-#: Words that may start a statement ending the transaction (a prefilter: also ``CASE ... END``).
-_MAY_END = re.compile(r"commit|end|rollback|abort|prepare", re.IGNORECASE)
+#: A statement (or a comment) starting with a word that may end the transaction: a prefilter
+#: that lets every other statement through at the cost of one anchored search.
+_MAY_END = re.compile(r"(?:^|;)\s*(?:commit|end|rollback|abort|prepare|/\*|--)", re.IGNORECASE)
 #: Comments, quoted text and identifiers, and the words and separators between them.
 _TOKEN = re.compile(
     r"""
@@ -184,7 +186,12 @@ def ended_outside(state: RequestState) -> bool:
             continue
         dbapi = connection.connection.dbapi_connection
         if isinstance(dbapi, psycopg2.extensions.connection):
-            if dbapi.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            # psycopg2 began a transaction the server no longer has. (After psycopg2's own
+            # commit() both say idle, as before a transaction that never started: not told.)
+            if (
+                dbapi.status != psycopg2.extensions.STATUS_READY
+                and dbapi.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+            ):
                 return True
         elif getattr(dbapi, "in_transaction", True) is False:  # sqlite3
             return True

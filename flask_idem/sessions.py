@@ -11,8 +11,11 @@ A protected view must not settle the session itself: ``db.session.commit()`` the
 commit the business rows before their stored response (the crash window this closes), and
 ``db.session.rollback()`` would undo work, or an atomic claim, behind the extension's back.
 Both raise :class:`SessionSettled` (a crash of the view: the transaction rolls back, the key
-is given up as for any exception). ``db.session.flush()`` is fine. A protected view's
-unclaimed requests (switched off, an optional key left out, a method outside
+is given up as for any exception). ``db.session.flush()`` is fine. Ending the transaction in
+a way that cannot be refused (``close()``, ``remove()``, catching the refusal of a rollback,
+which has happened) loses the view's rows: its answer is never stored (``work_lost``). Commits
+of the session's connection and ``COMMIT`` statements are refused by :mod:`flask_idem.commits`.
+A protected view's unclaimed requests (switched off, an optional key left out, a method outside
 ``IDEMPOTENCY_METHODS``) have the session settled the same way by flask_idem, and may also
 commit it themselves; unprotected requests commit as usual.
 

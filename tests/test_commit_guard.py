@@ -2,7 +2,7 @@
 view tries to commit it: ``Connection.commit()`` of ``idem.connection()`` or of the session's
 connection, or a statement (``COMMIT``, ``END``, in any spelling) is refused, so a
 ``release_before_contact`` view that then fails has committed nothing and every retry finds
-the table as it was. A commit below SQLAlchemy (the DBAPI connection's own) cannot be refused:
+the table as it was. A commit below SQLAlchemy (a DBAPI cursor's ``COMMIT``) cannot be refused:
 such an attempt is never released (its rows stay committed once, the key ``unknown``). A
 savepoint is no commit.
 """
@@ -73,6 +73,12 @@ def test_a_releasable_views_own_commit_never_lets_a_retry_commit_again(
     assert [a.status_code for a in answers] == [500] * 3, "the commit is refused: a crash"
 
 
+def _commit_below_sqlalchemy(conn: sa.Connection) -> None:
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    cursor.execute("COMMIT")
+    cursor.close()
+
+
 def test_a_commit_below_sqlalchemy_is_never_released(tables: SQLStore) -> None:
     store = tables
     app = Flask("dbapi-commit")
@@ -84,7 +90,7 @@ def test_a_commit_below_sqlalchemy_is_never_released(tables: SQLStore) -> None:
     def pay() -> t.Any:
         conn = idem.connection()
         conn.execute(ledger.insert().values(note="paid"))
-        conn.connection.dbapi_connection.commit()  # type: ignore[union-attr]
+        _commit_below_sqlalchemy(conn)
         return {"error": "provider unavailable"}, 503
 
     client = app.test_client()
@@ -142,7 +148,7 @@ def test_an_atomic_views_commit_below_sqlalchemy_keeps_the_key_taken(
     def create_order() -> t.Any:
         db.session.add(Order(note="ordered"))
         db.session.flush()
-        db.session.connection().connection.dbapi_connection.commit()  # type: ignore[union-attr]
+        _commit_below_sqlalchemy(db.session.connection())
         raise RuntimeError("after the commit")
 
     with app.app_context():
