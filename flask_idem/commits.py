@@ -1,24 +1,29 @@
-"""The commit guard: a claimed attempt's business transaction ends only through flask_idem.
+"""The commit guard: an attempt that committed anything itself is never released.
 
 Whatever a protected view writes in its business transaction (``idem.connection()``, or
 ``db.session`` with ``db=``) commits with its stored response, or rolls back with the attempt.
-A commit of the view's own would publish the rows first: an atomic view's claim half-way, and
-a durable view's rows that a released key lets every retry write again. So, on the business
-transaction of a claimed attempt,
+A commit of the view's own publishes the rows first. A durable view on the store's own
+connection may do it (SQLAlchemy 2.0's commit as you go: the completion then runs in the next
+transaction), but the attempt can then never prove it committed nothing: a failure afterwards
+leaves the key ``unknown``, never released, or every retry would commit the rows again. An
+atomic view's own commit would publish its claim half-way (or, on PostgreSQL, the rows without
+any record), and ``db.session``'s transaction is the session's to settle: those are refused.
+What counts, on the business transaction of a claimed attempt:
 
-- ``Connection.commit()`` (also of the session's connection) is refused, and
+- ``Connection.commit()`` (also of the session's connection; ``db.session.commit()`` itself is
+  refused in every view by :mod:`flask_idem.sessions`);
 - a statement that ends the transaction (``COMMIT``, ``END``, ``ROLLBACK``, ``ABORT``,
-  ``PREPARE TRANSACTION``, in any case, after comments, inside a multi-statement string) is
-  refused before it reaches the database; ``SAVEPOINT``, ``RELEASE SAVEPOINT`` and
-  ``ROLLBACK TO SAVEPOINT`` end nothing and run;
+  ``PREPARE TRANSACTION``, in any case, after comments, inside a multi-statement string);
+  ``SAVEPOINT``, ``RELEASE SAVEPOINT`` and ``ROLLBACK TO SAVEPOINT`` end nothing;
+- a transaction ended below SQLAlchemy (a ``COMMIT`` sent through a DBAPI cursor; SQLite's
+  DBAPI ``commit()``), which :func:`ended_outside` tells when the attempt gives up; in an atomic
+  view too, whose key is then left ``unknown``. psycopg2's own ``commit()`` leaves nothing to
+  tell it from a transaction that never started.
 
-both with :class:`~flask_idem.sessions.SessionSettled`, a crash of the view (a refused
-``commit()`` rolls the transaction back: the view's writes are gone, and its answer is never
-stored even when it catches the exception). A transaction
-ended below SQLAlchemy (a ``COMMIT`` sent through a DBAPI cursor; SQLite's DBAPI ``commit()``)
-cannot be refused: :func:`ended_outside` tells afterwards, and such an attempt is never released
-(:attr:`~flask_idem.state.RequestState.committed`). psycopg2's own ``commit()`` leaves nothing
-to tell it from a transaction that never started.
+In an atomic view, and on ``db.session``'s connection, the first two raise
+:class:`~flask_idem.sessions.SessionSettled` before anything commits (a crash of the view; a
+refused ``commit()`` rolls the transaction back, so the view's answer is never stored even when
+it catches the exception). Otherwise they set :attr:`~flask_idem.state.RequestState.committed`.
 
 The checks wrap the store engine's dialect (``do_commit``, ``do_execute``) instead of
 listening to connection events: any connection event on an engine makes SQLAlchemy dispatch
@@ -123,16 +128,18 @@ def guard_commits(engine: sa.Engine) -> None:
 
     def do_commit(dbapi_connection: t.Any) -> None:
         state = _attempt_on(lambda c: c.connection is dbapi_connection)
-        if state is not None:
+        if state is not None and _refused(state):
             # SQLAlchemy counts a failed commit's transaction as over and would never roll
             # it back (SQLite's write lock held until the pool resets the connection): roll
             # back here. The view's writes are gone, so its answer is never stored.
             dialect.do_rollback(dbapi_connection)
             state.work_lost = state.crashed = True
             raise SessionSettled(
-                "a protected view must not commit its business transaction (idem.connection() "
-                "or db.session's connection): flask_idem commits it with the stored response"
+                "an atomic view, or one whose business transaction is db.session's, must not "
+                "commit it: flask_idem commits it with the stored response"
             )
+        if state is not None:
+            state.committed = True  # commit as you go: allowed, but never released after it
         commit(dbapi_connection)
 
     def do_execute(cursor: t.Any, statement: str, parameters: t.Any, context: t.Any = None) -> None:
@@ -153,11 +160,22 @@ def _refuse_ending(statement: str, context: t.Any) -> None:
     if context is None or _MAY_END.search(statement) is None:
         return
     connection = context.root_connection
-    if _attempt_on(lambda c: c is connection) is not None and ends_transaction(statement):
+    state = _attempt_on(lambda c: c is connection)
+    if state is None or not ends_transaction(statement):
+        return
+    if _refused(state):
         raise SessionSettled(
-            "a protected view must not end its business transaction with a statement "
-            "(COMMIT, END, ROLLBACK): flask_idem commits it with the stored response"
+            "an atomic view, or one whose business transaction is db.session's, must not end "
+            "it with a statement (COMMIT, END, ROLLBACK): flask_idem commits it with the "
+            "stored response"
         )
+    state.committed = True  # it may commit: from now on the attempt is never released
+
+
+def _refused(state: RequestState) -> bool:
+    """An atomic claim would be published half-way; a session's transaction is the session's
+    to settle (as ``db.session.commit()``, refused by :mod:`flask_idem.sessions`)."""
+    return state.atomic or state.session is not None
 
 
 def _attempt_on(is_it: t.Callable[[sa.Connection], bool]) -> RequestState | None:
