@@ -7,8 +7,9 @@ from here, so a view and a job share one outcome model:
 :func:`own`       the claim is ours: watch its lease;
 :func:`store_result`  record the result, committed with the business transaction;
 :func:`give_up`   roll the business transaction back and release the key only when the attempt
-                  provably committed nothing (it declared its effects and had not yet declared
-                  contact with the outside world), else mark it ``unknown``.
+                  provably committed nothing (it declared its effects, had not yet declared
+                  contact with the outside world, and committed nothing itself), else mark it
+                  ``unknown``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import typing as t
 import sqlalchemy as sa
 
 from . import signals
+from .commits import ended_outside
 from .errors import StoreUnavailable
 from .events import emit as emit  # re-exported: flow and jobs emit through here
 from .options import Recovery
@@ -138,14 +140,20 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
     assert state.scope is not None and state.token is not None
     state.finished = True
     stop_watching(app_state, state)
+    if ended_outside(state):
+        state.committed = True  # its DBAPI connection committed below the commit guard
     rollback(state)
-    if state.atomic:
+    store = app_state.store
+    if state.atomic and not state.committed:
         # The claim rolled back with the business transaction: nothing is left to give back.
         emit(signals.released, state.scope, reason=reason)
         return
-    store = app_state.store
     try:
-        if state.releasable:
+        if state.atomic:
+            # Its rows are committed without their answer: the key must stay taken.
+            done = _record_unknown(app_state, state)
+            signal = signals.unknown
+        elif state.releasable:
             done = store.release(state.scope, state.token, created_at=created_at(state))
             signal = signals.released
         else:
@@ -159,6 +167,19 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
         return
     # The token no longer owns the record (a retry took it over): nothing changed here.
     emit(signal if done else signals.lease_lost, state.scope, reason=reason)
+
+
+def _record_unknown(app_state: AppState, state: RequestState) -> bool:
+    """Leave an atomic attempt that committed on its own ``unknown``: its record, if the commit
+    published one (SQLite writes it at the claim), else a new one claimed for the purpose."""
+    assert state.scope is not None and state.fingerprint is not None
+    settings = app_state.settings
+    ttl = getattr(state.options, "ttl", None) or settings.ttl
+    store = app_state.store
+    result = store.claim(state.scope, state.fingerprint, ttl=ttl, lease=settings.lease)
+    token = result.token if result.claimed else state.token
+    assert token is not None
+    return store.mark_unknown(state.scope, token, created_at=result.record.created_at)
 
 
 def created_at(state: RequestState) -> t.Any:

@@ -24,6 +24,7 @@ from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import InternalServerError
 
 from . import flow, jobs
+from .commits import guard_commits
 from .config import Settings
 from .errors import ConfigurationError, JobRefused, StoreUnavailable
 from .keys import derive_key
@@ -124,7 +125,7 @@ class Idempotency:
         )
         store.use_sealer(Sealer.from_settings(settings))
         store.use_audit(settings.audit, settings.audit_retention)
-        flow.forbid_atomic_commits(store.engine)
+        guard_commits(store.engine)
         if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(store, settings.partitions_ahead)
         app.extensions[EXTENSION_NAME] = AppState(

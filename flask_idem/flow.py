@@ -78,8 +78,7 @@ import logging
 import time
 import typing as t
 
-import sqlalchemy as sa
-from flask import Request, current_app, has_app_context, request
+from flask import Request, current_app, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
@@ -341,53 +340,6 @@ def _claim_failed(scope: Scope, error: StoreUnavailable) -> StoreUnavailableProb
     )
 
 
-def forbid_atomic_commits(engine: sa.Engine) -> None:
-    """Refuse an atomic view's own commit of its business transaction, on every connection of
-    the store's engine.
-
-    The check wraps this engine's ``dialect.do_commit`` (SQLAlchemy calls it for every
-    ``Connection.commit()``, also a session's) instead of listening to the ``commit`` event:
-    any connection event on an engine makes SQLAlchemy dispatch events around every statement,
-    transaction and checkout of it, which cost a protected request 6% of its instructions
-    (``valgrind --tool=callgrind``), commits or not.
-    """
-    dialect = engine.dialect
-    commit = dialect.do_commit
-    if getattr(commit, _COMMIT_GUARD, False):
-        return  # one engine shared by several applications
-
-    def do_commit(dbapi_connection: t.Any) -> None:
-        _refuse_own_commit(dbapi_connection)
-        commit(dbapi_connection)
-
-    setattr(do_commit, _COMMIT_GUARD, True)
-    dialect.do_commit = do_commit  # type: ignore[method-assign]
-
-
-_COMMIT_GUARD = "flask_idem_commit_guard"
-
-
-def _refuse_own_commit(dbapi_connection: t.Any) -> None:
-    """An atomic view's own commit would publish its claim half-way (in progress, no lease):
-    a duplicate could then run the view again. Only the extension commits it, at the end."""
-    if not has_app_context():
-        return
-    state = RequestState.current()
-    if state is None or state.token is None or state.finished or not state.atomic:
-        return
-    connection = state.connection
-    if (
-        connection is not None
-        and not connection.closed
-        and not connection.invalidated
-        and connection.connection is dbapi_connection
-    ):
-        raise RuntimeError(
-            "an atomic view must not commit idem.connection() itself: the extension commits "
-            "it with the stored response"
-        )
-
-
 def answer_existing(
     app_state: AppState, record: Record, digest: bytes, options: ViewOptions, deadline: float
 ) -> ClaimResult | Response | None:
@@ -582,6 +534,15 @@ def finish(response: Response) -> Response:
     if state.token is None:
         return _settle_unclaimed(app_state, state, response)
     stop_watching(app_state, state)
+    if state.work_lost:
+        # The view ended its own business transaction before answering: its rows are gone,
+        # so its answer (a 201, say) would be a lie, stored or not.
+        give_up(app_state, state, "the view ended its business transaction itself")
+        problem = InternalError(
+            "The request's database transaction ended before the server answered, so its "
+            "work was not recorded. " + _crash_outcome(state)
+        )
+        return _problem_response(app_state, state, problem)
     if state.crashed:
         give_up(app_state, state, "the view raised an exception")
         return response
@@ -735,15 +696,18 @@ def internal_error(error: InternalServerError) -> ResponseReturnValue:
     state = RequestState.current()
     if state is None or state.scope is None:
         return error
-    if state.token is None:
-        outcome = "Retry with the same key."  # it failed answering from the record
-    elif state.releasable:
-        outcome = "Nothing was recorded for this key; retry with the same key."
-    else:
-        outcome = "It may have had an effect; retry with the same key, never a new one."
     return InternalError(
-        "The server failed while processing the request. " + outcome
+        "The server failed while processing the request. " + _crash_outcome(state)
     ).get_response()
+
+
+def _crash_outcome(state: RequestState) -> str:
+    """What a failed request's client should do next, from what its attempt may have done."""
+    if state.token is None:
+        return "Retry with the same key."  # it failed answering from the record
+    if state.releasable:
+        return "Nothing was recorded for this key; retry with the same key."
+    return "It may have had an effect; retry with the same key, never a new one."
 
 
 def store_unavailable(error: StoreUnavailable) -> ResponseReturnValue:

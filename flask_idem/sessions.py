@@ -11,8 +11,11 @@ A protected view must not settle the session itself: ``db.session.commit()`` the
 commit the business rows before their stored response (the crash window this closes), and
 ``db.session.rollback()`` would undo work, or an atomic claim, behind the extension's back.
 Both raise :class:`SessionSettled` (a crash of the view: the transaction rolls back, the key
-is given up as for any exception). ``db.session.flush()`` is fine. A protected view's
-unclaimed requests (switched off, an optional key left out, a method outside
+is given up as for any exception). ``db.session.flush()`` is fine. Ending the transaction in
+a way that cannot be refused (``close()``, ``remove()``, catching the refusal of a rollback,
+which has happened) loses the view's rows: its answer is never stored (``work_lost``). Commits
+of the session's connection and ``COMMIT`` statements are refused by :mod:`flask_idem.commits`.
+A protected view's unclaimed requests (switched off, an optional key left out, a method outside
 ``IDEMPOTENCY_METHODS``) have the session settled the same way by flask_idem, and may also
 commit it themselves; unprotected requests commit as usual.
 
@@ -93,6 +96,8 @@ class FlaskSQLAlchemySessions:
         if not sa.event.contains(scoped, "before_commit", _refuse_commit):
             sa.event.listen(scoped, "before_commit", _refuse_commit)
             sa.event.listen(scoped, "after_soft_rollback", _refuse_rollback)
+            sa.event.listen(scoped, "after_begin", _note_connection)
+            sa.event.listen(scoped, "after_transaction_end", _note_end)
 
 
 def _sqlite_path(url: sa.URL) -> str | None:
@@ -184,6 +189,30 @@ def _claimed(session: t.Any) -> RequestState | None:
     if state is None or state.settling or state.token is None or state.finished:
         return None
     return state
+
+
+#: ``session.info`` key: the connections of the session's current (outermost) transaction.
+_CONNECTIONS = "flask_idem.connections"
+
+
+def business_connections(session: t.Any) -> tuple[sa.Connection, ...]:
+    """The connections the session's current transaction runs on (one per bind it used)."""
+    return tuple(session.info.get(_CONNECTIONS, ()))
+
+
+def _note_connection(session: t.Any, _transaction: t.Any, connection: sa.Connection) -> None:
+    session.info.setdefault(_CONNECTIONS, []).append(connection)
+
+
+def _note_end(session: t.Any, transaction: t.Any) -> None:
+    """The outermost transaction ended: if the claimed view ended it itself before answering
+    (``close()``, ``remove()``, a refused rollback it caught), its writes are gone."""
+    if transaction.parent is not None:
+        return  # a savepoint: the business transaction goes on
+    session.info.pop(_CONNECTIONS, None)
+    state = _claimed(session)
+    if state is not None and not state.answered:
+        state.work_lost = state.crashed = True
 
 
 def _refuse_commit(session: t.Any) -> None:

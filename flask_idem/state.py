@@ -114,6 +114,13 @@ class RequestState:
     #: The view returned or raised: an error handler's ``db.session.rollback()`` (a common
     #: habit) then undoes nothing flask_idem still needs, so it is allowed.
     answered: bool = False
+    #: The business transaction ended before the view answered, and not through flask_idem
+    #: (``db.session.close()``, ``remove()``, a rollback whose refusal the view caught): the
+    #: view's writes are gone, so its answer must never be stored or sent.
+    work_lost: bool = False
+    #: The attempt's business transaction was committed, or ended by a statement of the view's
+    #: own (``COMMIT``, ``END``), outside flask_idem: it can never prove it committed nothing.
+    committed: bool = False
     finished: bool = False
     #: A store failure was already reported for this attempt (events count it once).
     store_failed: bool = False
@@ -166,6 +173,8 @@ class RequestState:
     @property
     def releasable(self) -> bool:
         """Whether a failure now provably committed nothing, so the key may be given back."""
+        if self.committed:
+            return False  # whatever it committed stays: a re-run would commit it again
         if self.atomic:
             return True  # the claim itself rolls back with everything else
         if self.contacted or self.options is None:

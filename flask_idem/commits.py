@@ -1,0 +1,216 @@
+"""The commit guard: an attempt that committed anything itself is never released.
+
+Whatever a protected view writes in its business transaction (``idem.connection()``, or
+``db.session`` with ``db=``) commits with its stored response, or rolls back with the attempt.
+A commit of the view's own publishes the rows first. A durable view on the store's own
+connection may do it (SQLAlchemy 2.0's commit as you go: the completion then runs in the next
+transaction), but the attempt can then never prove it committed nothing: a failure afterwards
+leaves the key ``unknown``, never released, or every retry would commit the rows again. An
+atomic view's own commit would publish its claim half-way (or, on PostgreSQL, the rows without
+any record), and ``db.session``'s transaction is the session's to settle: those are refused.
+What counts, on the business transaction of a claimed attempt:
+
+- ``Connection.commit()`` (also of the session's connection; ``db.session.commit()`` itself is
+  refused in every view by :mod:`flask_idem.sessions`);
+- a statement that ends the transaction (``COMMIT``, ``END``, ``ROLLBACK``, ``ABORT``,
+  ``PREPARE TRANSACTION``, in any case, after comments, inside a multi-statement string);
+  ``SAVEPOINT``, ``RELEASE SAVEPOINT`` and ``ROLLBACK TO SAVEPOINT`` end nothing;
+- a transaction ended below SQLAlchemy (a ``COMMIT`` sent through a DBAPI cursor; SQLite's
+  DBAPI ``commit()``), which :func:`ended_outside` tells when the attempt gives up; in an atomic
+  view too, whose key is then left ``unknown``. psycopg2's own ``commit()`` leaves nothing to
+  tell it from a transaction that never started.
+
+In an atomic view, and on ``db.session``'s connection, the first two raise
+:class:`~flask_idem.sessions.SessionSettled` before anything commits (a crash of the view; a
+refused ``commit()`` rolls the transaction back, so the view's answer is never stored even when
+it catches the exception). Otherwise they set :attr:`~flask_idem.state.RequestState.committed`.
+
+The checks wrap the store engine's dialect (``do_commit``, ``do_execute``) instead of
+listening to connection events: any connection event on an engine makes SQLAlchemy dispatch
+events around every statement, transaction and checkout of it, which cost a protected request
+6% of its instructions (``valgrind --tool=callgrind``). A statement is looked at only when a
+cheap search finds one of those words in it.
+"""
+
+from __future__ import annotations
+
+import re
+import typing as t
+
+import psycopg2.extensions
+import sqlalchemy as sa
+from flask import has_app_context
+
+from .sessions import SessionSettled, business_connections
+from .state import RequestState
+
+_GUARDED = "flask_idem_commit_guard"
+#: A statement (or a comment) starting with a word that may end the transaction: a prefilter
+#: that lets every other statement through at the cost of one anchored search.
+_MAY_END = re.compile(r"(?:^|;)\s*(?:commit|end|rollback|abort|prepare|/\*|--)", re.IGNORECASE)
+#: Comments, quoted text and identifiers, and the words and separators between them.
+_TOKEN = re.compile(
+    r"""
+      (?P<space>\s+|--[^\n]*)
+    | (?P<quoted>[eE]'(?:[^'\\]|\\.|'')*'|'(?:[^']|'')*'|"(?:[^"]|"")*")
+    | (?P<dollar>\$(?P<tag>[A-Za-z_][A-Za-z_0-9]*)?\$)
+    | (?P<comment>/\*)
+    | (?P<separator>;)
+    | (?P<word>[A-Za-z_][A-Za-z_0-9$]*)
+    | (?P<other>.)
+    """,
+    re.VERBOSE | re.DOTALL,
+)
+_ENDING_WORDS = frozenset({"commit", "end", "abort"})
+_ROLLBACK_NOISE = frozenset({"work", "transaction"})
+
+
+def ends_transaction(sql: str) -> bool:
+    """Whether any statement of ``sql`` ends the transaction it runs in (PostgreSQL, SQLite)."""
+    statements: list[list[str]] = [[]]
+    position = 0
+    while position < len(sql):
+        match = _TOKEN.match(sql, position)
+        assert match is not None  # ``other`` matches any character
+        position = match.end()
+        kind = match.lastgroup
+        if kind == "dollar":
+            close = sql.find(match.group("dollar"), position)
+            position = len(sql) if close < 0 else close + len(match.group("dollar"))
+        elif kind == "comment":
+            position = _end_of_comment(sql, position)
+        elif kind == "separator":
+            statements.append([])
+        elif kind == "word" and len(statements[-1]) < 4:
+            statements[-1].append(match.group().lower())
+        elif kind in ("quoted", "other") and len(statements[-1]) < 4:
+            statements[-1].append("")
+    return any(_ends(words) for words in statements)
+
+
+def _end_of_comment(sql: str, position: int) -> int:
+    """Where a ``/*`` comment opened before ``position`` ends (PostgreSQL nests them)."""
+    depth = 1
+    while depth and position < len(sql):
+        if sql.startswith("/*", position):
+            depth, position = depth + 1, position + 2
+        elif sql.startswith("*/", position):
+            depth, position = depth - 1, position + 2
+        else:
+            position += 1
+    return position
+
+
+def _ends(words: list[str]) -> bool:
+    if not words:
+        return False
+    first, rest = words[0], words[1:]
+    if first in _ENDING_WORDS:
+        return True
+    if first == "prepare":
+        return rest[:1] == ["transaction"]
+    if first == "rollback":
+        while rest and rest[0] in _ROLLBACK_NOISE:
+            rest = rest[1:]
+        return rest[:1] != ["to"]  # ROLLBACK TO SAVEPOINT keeps the transaction
+    return False
+
+
+def guard_commits(engine: sa.Engine) -> None:
+    """Refuse a claimed attempt's own end of its business transaction on ``engine`` (once per
+    dialect, which one engine shared by several applications has once)."""
+    dialect = engine.dialect
+    if getattr(dialect.do_commit, _GUARDED, False):
+        return
+    commit = dialect.do_commit
+    execute = dialect.do_execute
+    execute_no_params = dialect.do_execute_no_params
+
+    def do_commit(dbapi_connection: t.Any) -> None:
+        state = _attempt_on(lambda c: c.connection is dbapi_connection)
+        if state is not None and _refused(state):
+            # SQLAlchemy counts a failed commit's transaction as over and would never roll
+            # it back (SQLite's write lock held until the pool resets the connection): roll
+            # back here. The view's writes are gone, so its answer is never stored.
+            dialect.do_rollback(dbapi_connection)
+            state.work_lost = state.crashed = True
+            raise SessionSettled(
+                "an atomic view, or one whose business transaction is db.session's, must not "
+                "commit it: flask_idem commits it with the stored response"
+            )
+        if state is not None:
+            state.committed = True  # commit as you go: allowed, but never released after it
+        commit(dbapi_connection)
+
+    def do_execute(cursor: t.Any, statement: str, parameters: t.Any, context: t.Any = None) -> None:
+        _refuse_ending(statement, context)
+        execute(cursor, statement, parameters, context)
+
+    def do_execute_no_params(cursor: t.Any, statement: str, context: t.Any = None) -> None:
+        _refuse_ending(statement, context)
+        execute_no_params(cursor, statement, context)
+
+    setattr(do_commit, _GUARDED, True)
+    dialect.do_commit = do_commit  # type: ignore[method-assign]
+    dialect.do_execute = do_execute  # type: ignore[method-assign]
+    dialect.do_execute_no_params = do_execute_no_params  # type: ignore[method-assign]
+
+
+def _refuse_ending(statement: str, context: t.Any) -> None:
+    if context is None or _MAY_END.search(statement) is None:
+        return
+    connection = context.root_connection
+    state = _attempt_on(lambda c: c is connection)
+    if state is None or not ends_transaction(statement):
+        return
+    if _refused(state):
+        raise SessionSettled(
+            "an atomic view, or one whose business transaction is db.session's, must not end "
+            "it with a statement (COMMIT, END, ROLLBACK): flask_idem commits it with the "
+            "stored response"
+        )
+    state.committed = True  # it may commit: from now on the attempt is never released
+
+
+def _refused(state: RequestState) -> bool:
+    """An atomic claim would be published half-way; a session's transaction is the session's
+    to settle (as ``db.session.commit()``, refused by :mod:`flask_idem.sessions`)."""
+    return state.atomic or state.session is not None
+
+
+def _attempt_on(is_it: t.Callable[[sa.Connection], bool]) -> RequestState | None:
+    """The claimed attempt of this context whose business transaction ``is_it`` picks out,
+    while the view runs (flask_idem's own commit and rollback are not the view's)."""
+    if not has_app_context():
+        return None
+    state = RequestState.current()
+    if state is None or state.token is None or state.finished or state.settling:
+        return None
+    return state if any(is_it(c) for c in _connections(state)) else None
+
+
+def _connections(state: RequestState) -> list[sa.Connection]:
+    found = [] if state.connection is None else [state.connection]
+    if state.session is not None:
+        found += business_connections(state.session)
+    return [c for c in found if not c.closed and not c.invalidated]
+
+
+def ended_outside(state: RequestState) -> bool:
+    """Whether the attempt's business transaction ended below SQLAlchemy, which still holds it
+    open: the DBAPI connection committed (or ended) it behind the guard's back."""
+    for connection in _connections(state):
+        if not connection.in_transaction():
+            continue
+        dbapi = connection.connection.dbapi_connection
+        if isinstance(dbapi, psycopg2.extensions.connection):
+            # psycopg2 began a transaction the server no longer has. (After psycopg2's own
+            # commit() both say idle, as before a transaction that never started: not told.)
+            if (
+                dbapi.status != psycopg2.extensions.STATUS_READY
+                and dbapi.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+            ):
+                return True
+        elif getattr(dbapi, "in_transaction", True) is False:  # sqlite3
+            return True
+    return False
