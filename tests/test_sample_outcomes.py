@@ -203,16 +203,17 @@ def test_a_not_happened_verdict_on_a_frozen_worker_charges_once(
     connection = transit.connection()
     connection.connect()
     assert connection.sock is not None
-    worker = None
+    worker, sent_before = None, len(transit.provider_attempts())
     thread, first = in_background(
         lambda: transit.pay(key, payment(customer), connection=connection)
     )
     try:
-        wait_for(lambda: len(transit.provider_attempts()) == 1)  # on its way to the provider
+        # On its way to the provider: the attempt is logged, the charge not made yet.
+        wait_for(lambda: len(transit.provider_attempts()) == sent_before + 1)
         worker = transit.worker_serving(connection.sock.getsockname()[1])
         assert worker is not None and worker != transit.process.pid
         os.kill(worker, signal.SIGSTOP)
-        [(_, frozen_key)] = [line.split() for line in transit.provider_attempts()]
+        [(_, frozen_key)] = [line.split() for line in transit.provider_attempts()[sent_before:]]
         expired = "SELECT lease_expires_at <= CURRENT_TIMESTAMP FROM idempotency_keys WHERE key = :k"
         wait_for(lambda: bool(transit.scalar(expired, k=key)), timeout=LEASE + 10)
         assert count(transit, "provider_charges", customer) == 0, "nothing charged yet"
@@ -230,7 +231,8 @@ def test_a_not_happened_verdict_on_a_frozen_worker_charges_once(
         "SELECT DISTINCT downstream_key FROM provider_charges WHERE customer = :c", c=customer
     )
     assert [row[0] for row in charged] == [frozen_key], "one downstream key charged"
-    assert {line.split()[1] for line in transit.provider_attempts()} == {frozen_key}
+    sent = {line.split()[1] for line in transit.provider_attempts()[sent_before:]}
+    assert sent == {frozen_key}, "the retry and the late worker sent the same key"
     _one_charge_one_payment(transit, customer, retry)
     late = first[0]
     assert isinstance(late, Reply) and late.status != 500, late
