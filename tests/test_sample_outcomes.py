@@ -37,6 +37,8 @@ WORKER_TIMEOUT = 2
 LEASE = 2
 #: How long a charge takes to reach the provider on the ``transit`` server.
 TRANSIT_MS = 3000
+#: Whether the lease of the record of ``:k`` has run out.
+EXPIRED = "SELECT lease_expires_at <= CURRENT_TIMESTAMP FROM idempotency_keys WHERE key = :k"
 
 
 def _database(request: pytest.FixtureRequest, workdir: Path) -> str:
@@ -169,8 +171,7 @@ def test_a_provider_timeout_answers_504_and_the_retry_finishes(server: SampleSer
 def test_operator_after_kill_9_charges_once(server: SampleServer, tool: str) -> None:
     key, customer = new_key(), new_customer()
     _pay_and_lose(server, key, customer, signal.SIGKILL)
-    state = "SELECT lease_expires_at <= CURRENT_TIMESTAMP FROM idempotency_keys WHERE key = :k"
-    wait_for(lambda: bool(server.scalar(state, k=key)), timeout=LEASE + 10)
+    wait_for(lambda: bool(server.scalar(EXPIRED, k=key)), timeout=LEASE + 10)
     if tool == "reconcile":
         done = server.flask("idem", "reconcile")
         assert done.returncode == 0, done.stderr
@@ -214,8 +215,7 @@ def test_a_not_happened_verdict_on_a_frozen_worker_charges_once(
         assert worker is not None and worker != transit.process.pid
         os.kill(worker, signal.SIGSTOP)
         [(_, frozen_key)] = [line.split() for line in transit.provider_attempts()[sent_before:]]
-        expired = "SELECT lease_expires_at <= CURRENT_TIMESTAMP FROM idempotency_keys WHERE key = :k"
-        wait_for(lambda: bool(transit.scalar(expired, k=key)), timeout=LEASE + 10)
+        wait_for(lambda: bool(transit.scalar(EXPIRED, k=key)), timeout=LEASE + 10)
         assert count(transit, "provider_charges", customer) == 0, "nothing charged yet"
 
         done = transit.flask("idem", *verdict, stdin=f"{key}\n")

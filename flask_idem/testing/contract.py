@@ -234,6 +234,7 @@ class StoreContract:
         assert reopened.state is State.REOPENED and reopened.created_at == seen.created_at
         retry = store.claim(unknown, FP, ttl=600, lease=30)
         assert not retry.claimed, "reopened, never forgotten: the same record, the same keys"
+        assert reopened.claim_token is not None
         assert store.take_over(unknown, reopened.claim_token, lease=30) is not None
         assert store.stuck() == []
 
