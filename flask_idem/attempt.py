@@ -48,7 +48,8 @@ class Found(enum.Enum):
     #: Nobody owns the outcome and ``recovery="fail"``: wait for a reconciler or an operator.
     PENDING = "pending"
     #: Nobody owns the outcome and the attempt may run it again as the same operation (a
-    #: ``reexecute`` view or job, or a record an operator reopened): take it over.
+    #: ``reexecute`` view or job, or a reopened record: an operator's release or a
+    #: reconciler's "not happened"): take it over.
     RERUN = "rerun"
 
 

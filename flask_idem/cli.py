@@ -401,8 +401,9 @@ def metrics_command() -> None:
 @click.option(
     "--not-happened",
     is_flag=True,
-    help="You checked that the operation did not take place: forget the record, so that a "
-    "retry runs a new operation (new downstream keys).",
+    help="You checked that the operation did not take place: recorded in the audit trail. "
+    "The record is reopened all the same (same downstream keys), never forgotten: its owner "
+    "may be frozen rather than dead, and would charge under the keys a new record replaces.",
 )
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @json_option
@@ -414,10 +415,10 @@ def release(
 
     A stuck record (unknown, or in progress past its lease) is reopened: the next retry runs
     the view again as the same operation, with the same downstream keys, so a provider that
-    deduplicates on them charges once. With --not-happened (your verdict that it did not take
-    place) the record is forgotten instead. Completed and running records are refused.
-    Prefer flask idem reconcile, which asks the endpoint's reconciler. With the key piped in
-    and no --yes, the confirmation is read from the next line.
+    deduplicates on them charges once, even if the first attempt's worker was only frozen and
+    resumes. Completed, running and already reopened records are refused. Prefer flask idem
+    reconcile, which asks the endpoint's reconciler. With the key piped in and no --yes, the
+    confirmation is read from the next line.
     """
     state = AppState.current()
     if hashed is None:
@@ -428,41 +429,38 @@ def release(
     if record is None:
         raise _not_found(hashed, "for this tenant and endpoint")
     scope = record.scope
-    stuck = record.state is State.UNKNOWN or record.lease_expired
-    if not (stuck or (not_happened and record.state is State.REOPENED)):
+    if not (record.state is State.UNKNOWN or record.lease_expired):
         raise click.ClickException(_refusal(record))
     if not yes:
         click.echo(
             f"{endpoint} for {tenant}, key hash {key_hash(scope)}: {record.state.value}, "
-            f"{_age(record)} old. {_consequence(not_happened)}",
+            f"{_age(record)} old. The next retry runs it again as the same operation (same "
+            "downstream keys).",
             err=True,
         )
         click.confirm("Release this key?", abort=True, err=True)
-    # Both are fenced: a retry that took the operation over since the record was read (and
-    # may be charging right now) is never reopened under it nor forgotten.
-    with trail.acting("operator", "flask idem release"):
-        if not_happened:
-            done = state.store.resolve(scope, None, token=record.claim_token)
-        else:
-            done = state.store.reopen(scope, token=record.claim_token)
+    # Fenced: a retry that took the operation over since the record was read (and may be
+    # charging right now) is never reopened under it.
+    reason = "flask idem release --not-happened" if not_happened else "flask idem release"
+    with trail.acting("operator", reason):
+        done = state.store.reopen(scope, token=record.claim_token)
     if not done:
         raise click.ClickException(
             "the record changed meanwhile (a retry took it over?); look again"
         )
-    action = "released" if not_happened else "reopened"
     emit(
         signals.settled,
         scope,
         fingerprint=record.fingerprint,
         actor="operator",
-        action=action,
-        state=None if not_happened else "reopened",
+        action="reopened",
+        state=State.REOPENED.value,
     )
     if as_json:
         released = record_schema(bodies=False, keys=False).dump(record)
-        _print_json({"released": True, "action": action, "record": released})
+        _print_json({"released": True, "action": "reopened", "record": released})
     else:
-        click.echo(f"{action} {endpoint} for {tenant}, key hash {key_hash(scope)}")
+        click.echo(f"reopened {endpoint} for {tenant}, key hash {key_hash(scope)}")
 
 
 def _refusal(record: Record) -> str:
@@ -475,16 +473,6 @@ def _refusal(record: Record) -> str:
         f"Its operation is {record.state.value}: it happened, and releasing it would run it "
         "a second time."
     )
-
-
-def _consequence(not_happened: bool) -> str:
-    """What releasing this record leads to, for the confirmation prompt."""
-    if not_happened:
-        return (
-            "The operation may have happened: a retry will execute it again. It runs as a "
-            "new operation, with new downstream keys."
-        )
-    return "The next retry runs it again as the same operation (same downstream keys)."
 
 
 @idem_group.command("reconcile")
@@ -501,7 +489,8 @@ def reconcile_command(limit: int, as_json: bool) -> None:
     """Settle stuck records with the registered reconcilers.
 
     Each record's reconciler says whether its operation happened (the record completes and
-    retries replay it), did not (the key is released) or cannot tell (the record stays).
+    retries replay it), did not (the record is reopened: the next retry runs it as the same
+    operation, with the same downstream keys) or cannot tell (the record stays).
     Exits with status 1 when any record stays unknown.
     """
     records = AppState.current().store.stuck(limit=limit)
@@ -638,11 +627,11 @@ def _settlement_json(settlement: Settlement) -> dict[str, t.Any]:
 def _reconcile_text(settlements: list[Settlement], counts: dict[Action, int]) -> str:
     summary = (
         f"reconciled {_plural(len(settlements), 'stuck record')}: "
-        f"{counts[Action.COMPLETED]} completed, {counts[Action.RELEASED]} released, "
+        f"{counts[Action.COMPLETED]} completed, {counts[Action.REOPENED]} reopened, "
         f"{counts[Action.UNKNOWN]} still unknown"
     )
     if counts[Action.SKIPPED]:
-        summary += f", {counts[Action.SKIPPED]} settled meanwhile"
+        summary += f", {counts[Action.SKIPPED]} skipped (settled meanwhile, or already reopened)"
     unknown = [s for s in settlements if s.action is Action.UNKNOWN]
     if not unknown:
         return summary

@@ -234,7 +234,7 @@ class Idempotency:
             def payment_outcome(record):
                 charge = provider.find(idempotency_key=derive_key(record, "charge"))
                 if charge is None:
-                    return Verdict.not_happened()
+                    return Verdict.not_happened()  # reopened: same downstream keys
                 return Verdict.happened(({"id": charge.id}, 201))
 
         :param endpoint: the view function, its Flask endpoint name (``"payments.create"``,

@@ -13,12 +13,22 @@ up by key (the payments table, or the provider with the downstream key) and answ
     with the snapshot a completion in the request would have stored (same header allow-list,
     same size limit), so retries replay it like any other.
 ``Verdict.not_happened()``
-    nothing took place; the key is released and the next retry executes the operation.
+    nothing took place yet; the record is reopened and the next retry runs the operation again
+    as the same operation, with the same downstream keys.
 ``Verdict.unknown(reason)``
     the reconciler cannot tell (the provider is down, ...): the record stays and is reported.
 
-The store settles a record only while it is still stuck, so a request that finishes after all,
-or a second reconciliation run, wins or loses atomically (reported as ``skipped``).
+"Not happened" never deletes the record: a reconciler cannot tell a dead owner from a frozen
+one (a paused VM, a stopped process) whose lease ran out before its provider call. A new
+record would give the retry new downstream keys, and the frozen owner, when it resumes, would
+charge under the old ones: two charges. Reopened, the retry and the late owner send the same
+downstream key, and a deduplicating provider charges once (the late owner's answer is then
+refused by its token).
+
+The store settles a record only while it is still stuck and still carries the claim token the
+verdict was computed against, so a request that finishes after all, a retry that took the
+operation over, or a second reconciliation run, wins or loses atomically (reported as
+``skipped``).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from .events import emit
 from .flow import response_snapshot
 from .jobs import JOB_ATTRIBUTE
 from .keys import key_hash
-from .record import Record, StoredResponse
+from .record import Record, State, StoredResponse
 from .state import AppState
 
 log = logging.getLogger("flask_idem")
@@ -72,7 +82,9 @@ class Verdict:
 
     @classmethod
     def not_happened(cls, reason: str = "") -> Verdict:
-        """The operation did not take place: release the key so that a retry executes it."""
+        """The operation did not take place (yet): reopen the record so that a retry runs it
+        again with the same downstream keys, the ones an owner that is only frozen still
+        holds."""
         return cls(Answer.NOT_HAPPENED, None, reason)
 
     @classmethod
@@ -94,11 +106,12 @@ class Action(str, enum.Enum):
 
     #: The reconciler said it happened: the record completed and retries replay it.
     COMPLETED = "completed"
-    #: The reconciler said it did not happen: the key was released.
-    RELEASED = "released"
+    #: The reconciler said it did not happen: the record was reopened (same downstream keys).
+    REOPENED = "reopened"
     #: The record stays stuck: no reconciler, the reconciler could not tell, or it failed.
     UNKNOWN = "unknown"
-    #: The record was no longer stuck when the verdict came (its request finished after all).
+    #: Nothing to do: the record was no longer stuck when the verdict came (its request
+    #: finished after all, a retry took it over), or was already reopened.
     SKIPPED = "skipped"
 
 
@@ -198,20 +211,26 @@ def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> S
         # One failing lookup must not stop the run: the record stays and is reported.
         log.exception("reconciler failed", extra={"key_hash": digest})
         return Settlement(record, Action.UNKNOWN, f"reconciler failed: {type(exc).__name__}")
+    if response is None and record.state is State.REOPENED:
+        return Settlement(record, Action.SKIPPED, "already reopened: the next retry runs it")
+    # Both writes are fenced by the token this verdict was computed against.
     with trail.acting("reconciler", verdict.reason):
-        settled = state.store.resolve(
-            record.scope, response, token=record.claim_token, created_at=record.created_at
-        )
+        if response is None:
+            settled = state.store.reopen(record.scope, token=record.claim_token)
+        else:
+            settled = state.store.resolve(
+                record.scope, response, token=record.claim_token, created_at=record.created_at
+            )
     if not settled:
         return Settlement(record, Action.SKIPPED, "no longer stuck: settled meanwhile")
-    action = Action.RELEASED if response is None else Action.COMPLETED
+    action = Action.REOPENED if response is None else Action.COMPLETED
     emit(
         signals.settled,
         record.scope,
         fingerprint=record.fingerprint,
         actor="reconciler",
         action=action.value,
-        state=None if response is None else "completed",
+        state=State.REOPENED.value if response is None else State.COMPLETED.value,
         status=None if response is None else response.status,
         reason=verdict.reason,
     )
@@ -219,7 +238,7 @@ def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> S
 
 
 def _response_of(state: AppState, verdict: object) -> StoredResponse | None:
-    """The snapshot to complete the record with, or None to release it.
+    """The snapshot to complete the record with, or None to reopen it.
 
     :raises _Unsettled: the verdict keeps the record stuck.
     """

@@ -43,5 +43,5 @@ lease_lost = _signals.signal("idempotency-lease-lost")
 #: The store failed (``stage``: ``claim``, ``complete`` or ``give_up``).
 store_unavailable = _signals.signal("idempotency-store-unavailable")
 #: A stuck record was settled from outside its request (``actor``: ``reconciler`` or
-#: ``operator``; ``action``: ``completed``, ``released``, ``reopened``).
+#: ``operator``; ``action``: ``completed``, ``reopened``).
 settled = _signals.signal("idempotency-settled")

@@ -26,6 +26,7 @@ from .webhooks import bp as webhooks_bp
 SAMPLE_DEFAULTS = {
     "SAMPLE_RATE_LIMIT": "1000/second",
     "SAMPLE_PROVIDER_LATENCY_MS": "0",
+    "SAMPLE_PROVIDER_TRANSIT_MS": "0",
     "SAMPLE_PROVIDER_LOG": None,
     "SAMPLE_WEBHOOK_LATENCY_MS": "0",
     "SAMPLE_METRICS_TOKEN": None,

@@ -51,14 +51,24 @@ class Provider:
     :param latency: seconds the provider takes to answer a new charge (after recording it, so a
         worker killed meanwhile leaves a charge the app has not recorded yet); a repeated
         downstream key is answered from its ledger at once.
+    :param transit: seconds every charge spends on its way to the provider, before the provider
+        records it (a worker frozen meanwhile holds its downstream key, and no charge exists).
     :param log_path: a file that gets one line per charge attempt, written before the provider
         touches its database, so tests can count attempts even when the database is down.
     """
 
-    def __init__(self, url: str, *, latency: float = 0.0, log_path: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        latency: float = 0.0,
+        transit: float = 0.0,
+        log_path: str | None = None,
+    ) -> None:
         # Checked on checkout: an external service must survive a database restart.
         self.engine = create_engine(url, pool_pre_ping=True)
         self.latency = latency
+        self.transit = transit
         self.log_path = log_path
 
     def charge(
@@ -76,6 +86,8 @@ class Provider:
         if self.log_path:
             with open(self.log_path, "a", encoding="utf-8") as log:
                 log.write(f"{tenant} {downstream_key}\n")
+        if self.transit:
+            time.sleep(self.transit)
         status = "declined" if customer == DECLINED_CUSTOMER else "succeeded"
         with self.engine.begin() as conn:
             insert = dialect_insert(conn, provider_charges).values(
@@ -137,6 +149,7 @@ def init_app(app: Flask, url: str) -> None:
     app.extensions[EXTENSION_NAME] = Provider(
         url,
         latency=int(app.config["SAMPLE_PROVIDER_LATENCY_MS"]) / 1000,
+        transit=int(app.config["SAMPLE_PROVIDER_TRANSIT_MS"]) / 1000,
         log_path=app.config["SAMPLE_PROVIDER_LOG"],
     )
 

@@ -2,9 +2,10 @@
 
 A payment whose worker died after the provider call (or whose outcome is ``unknown``) is
 looked up at the provider by its downstream key, the key every execution of the operation
-derives: no charge means nothing happened, a charge means the payment happened, and it is
-recorded now exactly as the view would have recorded it. Subscription renewals (a job) charge
-the same way and are settled by the same function.
+derives: no charge means nothing happened yet (the record is reopened, so the client's retry
+charges under that same key, the one a worker that is only frozen still holds), a charge means
+the payment happened, and it is recorded now exactly as the view would have recorded it.
+Subscription renewals (a job) charge the same way and are settled by the same function.
 
 The next day, ``flask idem audit-downstream`` compares the provider's list of charges with the
 records of both (:func:`provider_charges`): a charge no record derived the downstream key of

@@ -509,17 +509,23 @@ def test_release_with_yes_and_json(store: SQLStore) -> None:
     args = ["release", "--tenant", "alpha", "--endpoint", PAYMENTS, "--not-happened"]
 
     warned = idem(app, *args, input="unk\nn\n")
-    assert "The operation may have happened: a retry will execute it again." in warned.stderr
+    assert "The next retry runs it again as the same operation" in warned.stderr
+    before = store.get(scope)
 
     result = idem(app, *args, "--yes", "--json", input="unk\n")
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
-    assert answer["released"] is True
+    assert answer["released"] is True and answer["action"] == "reopened"
     assert answer["record"]["state"] == State.UNKNOWN.value
     assert answer["record"]["key_hash"] == key_hash(scope)
-    assert store.get(scope) is None
+    after = store.get(scope)
+    assert after is not None and after.state is State.REOPENED, "never forgotten"
+    assert before is not None and after.created_at == before.created_at, "same downstream keys"
 
-    missing = idem(app, *args, "--yes", input="unk\n")
+    again = idem(app, *args, "--yes", input="unk\n")
+    assert again.exit_code == 1
+    assert "It is already reopened: the next retry runs it." in again.stderr
+    missing = idem(app, *args, "--yes", input="other\n")
     assert missing.exit_code == 1
     assert "no live record of this key for this tenant and endpoint" in missing.stderr
 

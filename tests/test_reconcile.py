@@ -86,7 +86,7 @@ def test_happened_completes_and_replays_like_a_normal_completion(payments: flask
 
     result = idem(payments, "reconcile")
     assert result.exit_code == 0, result.output
-    assert result.stdout == "reconciled 1 stuck record: 1 completed, 0 released, 0 still unknown\n"
+    assert result.stdout == "reconciled 1 stuck record: 1 completed, 0 reopened, 0 still unknown\n"
     reconciled = store.get(scope)
     assert reconciled.state is State.COMPLETED
     replay = _pay(payments, "crash-key")
@@ -94,8 +94,8 @@ def test_happened_completes_and_replays_like_a_normal_completion(payments: flask
     assert replay.headers["Idempotent-Replayed"] == "true"
     assert _charges(payments) == 1, "charged once"
 
-    # The same request completed in the request, for comparison (a new record: the key was
-    # released): the same stored snapshot, and retries get byte-for-byte the same answer.
+    # The same request completed in the request, for comparison (a new record: the record
+    # was evicted): the same stored snapshot, and retries get byte-for-byte the same answer.
     store.evict(scope)
     with store.engine.begin() as conn:
         conn.execute(slow_app.charges.delete())
@@ -108,23 +108,34 @@ def test_happened_completes_and_replays_like_a_normal_completion(payments: flask
     assert normal_replay.data == replay.data == original.data
 
 
-def test_not_happened_releases_the_key_for_a_fresh_execution(payments: flask.Flask) -> None:
+def test_not_happened_reopens_the_record_for_a_run_with_the_same_keys(
+    payments: flask.Flask,
+) -> None:
+    store = payments.extensions["idempotency"].store
+    scope = Scope("alpha", PAYMENTS, "early-key")
     _crash(payments, "early-key", "before-charge")
+    crashed = store.get(scope)
     result = idem(payments, "reconcile", "--json")
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
-    assert {name: answer[name] for name in ("completed", "released", "unknown", "skipped")} == {
+    assert {name: answer[name] for name in ("completed", "reopened", "unknown", "skipped")} == {
         "completed": 0,
-        "released": 1,
+        "reopened": 1,
         "unknown": 0,
         "skipped": 0,
     }
     [record] = answer["records"]
-    assert record["action"] == "released"
+    assert record["action"] == "reopened"
     assert record["reason"] == "no charge with the downstream key"
     assert record["state"] == "unknown" and "key" not in record
-    fresh = _pay(payments, "early-key")
-    assert fresh.status_code == 201 and "Idempotent-Replayed" not in fresh.headers
+    reopened = store.get(scope)
+    assert reopened.state is State.REOPENED and reopened.created_at == crashed.created_at
+
+    again = json.loads(idem(payments, "reconcile", "--json").stdout)
+    assert (again["reopened"], again["skipped"]) == (0, 1), "reopened once"
+    assert again["records"][0]["reason"] == "already reopened: the next retry runs it"
+    rerun = _pay(payments, "early-key")
+    assert rerun.status_code == 201 and "Idempotent-Replayed" not in rerun.headers
     assert _charges(payments) == 1
 
 
@@ -134,7 +145,7 @@ def test_unknown_stays_reported_and_exits_non_zero(payments: flask.Flask) -> Non
     result = idem(payments, "reconcile")
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
-    assert lines[0] == "reconciled 1 stuck record: 0 completed, 0 released, 1 still unknown"
+    assert lines[0] == "reconciled 1 stuck record: 0 completed, 0 reopened, 1 still unknown"
     assert lines[2] == "still unknown:"
     assert lines[3].split() == ["AGE", "TENANT", "ENDPOINT", "KEY", "HASH", "WHY"]
     assert lines[4].endswith("provider unreachable")
@@ -152,7 +163,7 @@ def test_nothing_stuck_is_a_quiet_success(payments: flask.Flask) -> None:
     result = idem(payments, "reconcile")
     assert (result.exit_code, result.stdout) == (
         0,
-        "reconciled 0 stuck records: 0 completed, 0 released, 0 still unknown\n",
+        "reconciled 0 stuck records: 0 completed, 0 reopened, 0 still unknown\n",
     )
 
 
@@ -164,8 +175,8 @@ def test_long_runs_show_a_progress_bar(payments: flask.Flask) -> None:
     result = idem(payments, "reconcile", "--json")
     assert result.exit_code == 0, result.output
     assert "reconciling" in result.stderr
-    assert json.loads(result.stdout)["released"] == 25
-    assert store.stuck() == []
+    assert json.loads(result.stdout)["reopened"] == 25
+    assert {record.state for record in store.stuck()} == {State.REOPENED}
 
 
 # -- reconcilers that cannot settle ----------------------------------------------------------
@@ -212,10 +223,11 @@ def test_failures_leave_records_unknown_and_the_run_goes_on(
         "POST /large": "the response is streamed or larger than IDEMPOTENCY_MAX_BODY",
         "POST /none": "no reconciler for this endpoint",
     }
-    assert answer["released"] == 1 and store.get(fine) is None
+    assert answer["reopened"] == 1 and store.get(fine).state is State.REOPENED
     [logged] = [r for r in caplog.records if r.getMessage() == "reconciler failed"]
     assert getattr(logged, "key_hash", None)
-    assert len(store.stuck()) == 5, "nothing settled that could not be"
+    states = [record.state for record in store.stuck()]
+    assert states.count(State.UNKNOWN) == 5, "nothing settled that could not be"
 
 
 def test_a_request_finishing_meanwhile_wins(store: SQLStore) -> None:
@@ -368,7 +380,7 @@ def test_worker_killed_mid_request_is_listed_and_reconciled(
 
         result = idem(app, "reconcile")
         assert result.exit_code == 0, result.output
-        assert "1 completed, 0 released, 0 still unknown" in result.stdout
+        assert "1 completed, 0 reopened, 0 still unknown" in result.stdout
         replay = _pay(app, "killed-key")
         assert (replay.status_code, replay.headers["Idempotent-Replayed"]) == (201, "true")
         assert replay.get_json()["amount"] == 4200

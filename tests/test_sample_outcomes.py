@@ -28,10 +28,17 @@ from .test_sample_app import (
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 
+#: ``flask idem release`` arguments naming a payment key (piped in on stdin).
+OPERATOR = ["--tenant", "alpha", "--endpoint", "POST /v1/payments", "--yes"]
+
 LATENCY_MS = 4000
 #: gunicorn's worker timeout: the master kills (SIGABRT) a worker busy for longer.
 WORKER_TIMEOUT = 2
 LEASE = 2
+#: How long a charge takes to reach the provider on the ``transit`` server.
+TRANSIT_MS = 3000
+#: Whether the lease of the record of ``:k`` has run out.
+EXPIRED = "SELECT lease_expires_at <= CURRENT_TIMESTAMP FROM idempotency_keys WHERE key = :k"
 
 
 def _database(request: pytest.FixtureRequest, workdir: Path) -> str:
@@ -54,6 +61,25 @@ def server(
         workdir,
         args=["--timeout", str(WORKER_TIMEOUT)],
         SAMPLE_PROVIDER_LATENCY_MS=str(LATENCY_MS),
+        FLASK_IDEMPOTENCY_LEASE=str(LEASE),
+        FLASK_IDEMPOTENCY_TTL="600",
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=["postgresql", "sqlite"])
+def transit(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> t.Iterator[SampleServer]:
+    """Charges that take 3 s to reach the provider, a 2 s lease, and a worker timeout long
+    enough for gunicorn to leave a frozen worker alone."""
+    workdir = tmp_path_factory.mktemp(f"transit-{request.param}")
+    server = SampleServer(
+        _database(request, workdir),
+        workdir,
+        args=["--timeout", "120"],
+        SAMPLE_PROVIDER_TRANSIT_MS=str(TRANSIT_MS),
         FLASK_IDEMPOTENCY_LEASE=str(LEASE),
         FLASK_IDEMPOTENCY_TTL="600",
     )
@@ -145,8 +171,7 @@ def test_a_provider_timeout_answers_504_and_the_retry_finishes(server: SampleSer
 def test_operator_after_kill_9_charges_once(server: SampleServer, tool: str) -> None:
     key, customer = new_key(), new_customer()
     _pay_and_lose(server, key, customer, signal.SIGKILL)
-    state = "SELECT lease_expires_at <= CURRENT_TIMESTAMP FROM idempotency_keys WHERE key = :k"
-    wait_for(lambda: bool(server.scalar(state, k=key)), timeout=LEASE + 10)
+    wait_for(lambda: bool(server.scalar(EXPIRED, k=key)), timeout=LEASE + 10)
     if tool == "reconcile":
         done = server.flask("idem", "reconcile")
         assert done.returncode == 0, done.stderr
@@ -161,6 +186,59 @@ def test_operator_after_kill_9_charges_once(server: SampleServer, tool: str) -> 
         answer = server.pay(key, payment(customer))
         assert_executed(answer)
     _one_charge_one_payment(server, customer, answer)
+
+
+@pytest.mark.parametrize(
+    "verdict",
+    [["reconcile"], ["release", *OPERATOR, "--not-happened"]],
+    ids=["reconciler", "operator"],
+)
+def test_a_not_happened_verdict_on_a_frozen_worker_charges_once(
+    transit: SampleServer, verdict: list[str]
+) -> None:
+    """A worker frozen (SIGSTOP) between deriving its downstream key and reaching the
+    provider looks dead: its lease runs out and the provider has no charge, so the verdict
+    is "not happened". The record must keep its downstream key, so that the client's retry
+    and the worker, when it resumes, both charge under that one key: one charge."""
+    key, customer = new_key(), new_customer()
+    connection = transit.connection()
+    connection.connect()
+    assert connection.sock is not None
+    worker, sent_before = None, len(transit.provider_attempts())
+    thread, first = in_background(
+        lambda: transit.pay(key, payment(customer), connection=connection)
+    )
+    try:
+        # On its way to the provider: the attempt is logged, the charge not made yet.
+        wait_for(lambda: len(transit.provider_attempts()) == sent_before + 1)
+        worker = transit.worker_serving(connection.sock.getsockname()[1])
+        assert worker is not None and worker != transit.process.pid
+        os.kill(worker, signal.SIGSTOP)
+        [(_, frozen_key)] = [line.split() for line in transit.provider_attempts()[sent_before:]]
+        wait_for(lambda: bool(transit.scalar(EXPIRED, k=key)), timeout=LEASE + 10)
+        assert count(transit, "provider_charges", customer) == 0, "nothing charged yet"
+
+        done = transit.flask("idem", *verdict, stdin=f"{key}\n")
+        assert done.returncode == 0, done.stderr
+        assert "1 reopened" in done.stdout or done.stdout.startswith("reopened"), done.stdout
+        assert records(transit, key) == 1, "the record of the frozen attempt is kept"
+        retry = transit.pay(key, payment(customer))
+        assert_executed(retry)
+    finally:
+        if worker is not None:
+            os.kill(worker, signal.SIGCONT)
+        thread.join()
+    charged = transit.sql(
+        "SELECT DISTINCT downstream_key FROM provider_charges WHERE customer = :c", c=customer
+    )
+    assert [row[0] for row in charged] == [frozen_key], "one downstream key charged"
+    sent = {line.split()[1] for line in transit.provider_attempts()[sent_before:]}
+    assert sent == {frozen_key}, "the retry and the late worker sent the same key"
+    _one_charge_one_payment(transit, customer, retry)
+    [late] = first
+    assert isinstance(late, Reply), late
+    assert_problem(late, 409, "request-in-progress")  # its completion lost to the retry
+    assert_replay(transit.pay(key, payment(customer)), retry)
 
 
 def test_a_request_longer_than_its_ttl_replays(short_ttl: SampleServer) -> None:

@@ -179,18 +179,20 @@ class Store(abc.ABC):
     def resolve(
         self,
         scope: Scope,
-        response: StoredResponse | None,
+        response: StoredResponse,
         *,
         token: str | None,
         created_at: dt.datetime | None = None,
     ) -> bool:
-        """Settle a stuck record from outside the request that claimed it.
+        """Complete a stuck record from outside the request that claimed it (later retries
+        replay ``response``).
 
-        With a response the record completes (later retries replay it); with None the key is
-        released. Only records that are ``unknown``, ``reopened`` or whose lease has expired can
-        be settled, never one whose owner is still alive, and only while the record still
+        Only records that are ``unknown``, ``reopened`` or whose lease has expired can be
+        settled, never one whose owner is still alive, and only while the record still
         carries ``token``, the claim token of the record the caller looked at: a retry that
-        took the operation over meanwhile is never settled by a stale verdict.
+        took the operation over meanwhile is never settled by a stale verdict. There is no
+        way to forget a stuck record: an owner whose lease ran out may only be frozen, and a
+        new record would give a retry new downstream keys (see :meth:`reopen`).
 
         :param created_at: the stuck record's ``created_at``, when known: only that record is
             settled (and an encrypted snapshot is bound to it).
@@ -202,7 +204,9 @@ class Store(abc.ABC):
 
         Only ``unknown`` records and in-progress ones past their lease can be reopened, and
         only while they carry ``token`` (see :meth:`resolve`); the record keeps its
-        ``created_at`` and therefore its downstream keys.
+        ``created_at`` and therefore its downstream keys. This is what a verdict that the
+        operation did not happen does: an owner frozen past its lease that resumes and the
+        retry then both reach the provider under the same downstream keys.
         """
 
     @abc.abstractmethod

@@ -386,7 +386,7 @@ class SQLStore(Store):
         connection: sa.Connection | None = None,
         created_at: dt.datetime | None = None,
     ) -> bool:
-        if response is not None and self.sealer.encrypting and created_at is None:
+        if self.sealer.encrypting and created_at is None:
             # The ciphertext is bound to the record's created_at: read it (the write below
             # then matches only that record).
             created_at = self._owned_created_at(scope, token, connection)
@@ -601,7 +601,7 @@ class SQLStore(Store):
     def resolve(
         self,
         scope: Scope,
-        response: StoredResponse | None,
+        response: StoredResponse,
         *,
         token: str | None,
         created_at: dt.datetime | None = None,
@@ -612,18 +612,13 @@ class SQLStore(Store):
             self._live(scope), self._stuck(), table.c.claim_token == sa.bindparam("p_token")
         )
         fence = {"p_token": token}
-        if response is not None and self.sealer.encrypting and created_at is None:
+        if self.sealer.encrypting and created_at is None:
             row = self._execute(sa.select(table.c.created_at).where(settle), fence).first
             if row is None:
                 return False
             created_at = _aware(row[0])
         if created_at is not None:
             settle = sa.and_(settle, table.c.created_at == created_at)
-        if response is None:
-            deleted = self._write(
-                table.delete().where(settle), fence, scope=scope, event="released"
-            )
-            return deleted.rowcount == 1
         headers, body = self.sealer.seal(response, scope, created_at)
         statement = (
             table.update()

@@ -222,14 +222,20 @@ class StoreContract:
         self.age(store, unknown, 5, "created_at")
         assert [record.scope for record in store.stuck()] == [unknown, dead]
         assert not store.resolve(alive, RESPONSE, token=None), "a live owner is never overruled"
-        assert not store.resolve(done, None, token=None)
+        assert not store.resolve(done, RESPONSE, token=None)
         assert not store.resolve(dead, RESPONSE, token="another"), "fenced by the token seen"
         assert store.resolve(dead, RESPONSE, token=dead_token)
         replay = store.claim(dead, FP, ttl=600, lease=30)
         assert not replay.claimed and replay.record.response == RESPONSE
         assert not store.complete(dead, dead_token, RESPONSE)
-        assert store.resolve(unknown, None, token=store.stuck()[0].claim_token)
-        assert store.claim(unknown, FP, ttl=600, lease=30).claimed
+        [seen] = store.stuck()
+        assert store.reopen(unknown, token=seen.claim_token)
+        [reopened] = store.stuck()
+        assert reopened.state is State.REOPENED and reopened.created_at == seen.created_at
+        retry = store.claim(unknown, FP, ttl=600, lease=30)
+        assert not retry.claimed, "reopened, never forgotten: the same record, the same keys"
+        assert reopened.claim_token is not None
+        assert store.take_over(unknown, reopened.claim_token, lease=30) is not None
         assert store.stuck() == []
 
     def test_find_and_evict(self, store: Store) -> None:
