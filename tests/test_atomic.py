@@ -383,7 +383,8 @@ def test_a_worker_killed_mid_view_leaves_nothing_and_the_retry_runs_once(
         thread = threading.Thread(target=first)
         thread.start()
         deadline = time.monotonic() + 15
-        while not pidfile.exists():
+        # The view writes the file in place: it exists a moment before it holds the pid.
+        while not (pidfile.exists() and pidfile.read_text().strip()):
             assert time.monotonic() < deadline, "the view never started"
             time.sleep(0.05)
         os.kill(int(pidfile.read_text()), signal.SIGKILL)
