@@ -25,6 +25,7 @@ import typing as t
 import sqlalchemy as sa
 
 from .errors import IdempotencyError
+from .store.sql import database_message
 
 TABLE = "idempotency_keys"
 DISTRIBUTION_COLUMN = "tenant"
@@ -204,7 +205,7 @@ def distribute(
         return _distribute(engine, colocate_with, dry_run)
     except sa.exc.SQLAlchemyError as exc:
         # The server's own message (table names, Citus' reason), never statement parameters.
-        reason = str(getattr(exc, "orig", None) or type(exc).__name__).strip().splitlines()[0]
+        reason = database_message(exc) or type(exc).__name__
         raise CitusError(f"distribution failed: {reason}") from exc
 
 

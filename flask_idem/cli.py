@@ -32,6 +32,7 @@ from .record import KeyUsage, MaintenanceReport, Record, Scope, State
 from .sealing import KEY_ID_PATTERN, KEY_ID_SIZE, generate_key
 from .serialization import record_schema
 from .state import AppState
+from .store.sql import database_message
 from .trail import AuditEntry
 
 P = t.ParamSpec("P")
@@ -59,7 +60,8 @@ def _store_errors(command: t.Callable[P, None]) -> t.Callable[P, None]:
         try:
             command(*args, **kwargs)
         except IdempotencyError as exc:
-            raise click.ClickException(str(exc)) from exc
+            reason = database_message(exc)
+            raise click.ClickException(f"{exc} ({reason})" if reason else str(exc)) from exc
 
     return wrapper
 
