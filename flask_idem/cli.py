@@ -61,7 +61,8 @@ def _store_errors(command: t.Callable[P, None]) -> t.Callable[P, None]:
             command(*args, **kwargs)
         except IdempotencyError as exc:
             reason = database_message(exc)
-            raise click.ClickException(f"{exc} ({reason})" if reason else str(exc)) from exc
+            shown = str(exc) if not reason or reason in str(exc) else f"{exc} ({reason})"
+            raise click.ClickException(shown) from exc
 
     return wrapper
 
