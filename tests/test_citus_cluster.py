@@ -216,3 +216,87 @@ def test_operator_reads_across_tenants(distributed: Distributed, store: SQLStore
     shown = _cli(distributed.url, "show", hashed, "--tenant", "beta")
     assert shown.exit_code == 0, shown.output
     assert "unknown" in shown.output
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an atomic claim locks on the node the application is connected to (docs/citus.md)",
+)
+def test_an_atomic_claim_through_a_worker_excludes_one_through_the_coordinator(
+    citus_server: CitusCluster, store: SQLStore
+) -> None:
+    """Citus lets workers serve queries; two nodes' advisory locks do not exclude each other."""
+    through_worker = create_store(citus_server.workers[0].url)
+    scope = Scope("tenant-two-nodes", "POST /p", "one-key")
+    first, second = store.begin(), through_worker.begin()
+    try:
+        claimed = store.claim_atomic(first, scope, FP, ttl=600)
+        assert claimed is not None and claimed.claimed
+        duplicate = through_worker.claim_atomic(second, scope, FP, ttl=600)
+        assert duplicate is None or not duplicate.claimed, "two nodes claimed one key at once"
+    finally:
+        first.close()
+        second.close()
+        through_worker.engine.dispose()
+
+
+def _prepared_transactions(url: str) -> int:
+    """Two-phase commits the coordinator has recorded (until its 2PC recovery clears them)."""
+    return int(_sql(url, "SELECT count(*) FROM pg_dist_transaction")[0][0])
+
+
+@pytest.mark.parametrize(
+    ("business", "two_phase"),
+    [("local", False), ("colocated", True), ("other_tenant", True)],
+)
+def test_how_an_atomic_request_commits(
+    distributed: Distributed, store: SQLStore, business: str, two_phase: bool
+) -> None:
+    """The record and the business row commit with Citus' two-phase commit, or not at all
+    together.
+
+    A local business table commits on the coordinator and the record on its worker, each in
+    one phase: a crash between them keeps one without the other. A distributed business table
+    (colocated, or a row on another worker) makes Citus prepare both: the atomic claim runs on
+    the coordinator, so even a colocated row is written over another connection.
+    """
+    url = distributed.url
+    table = f"citus_business_{business}"
+    _sql(url, f"DROP TABLE IF EXISTS {table}")
+    _sql(url, f"CREATE TABLE {table} (tenant varchar(255) NOT NULL, reference text)")
+    if business != "local":
+        _sql(url, f"SELECT create_distributed_table('{table}', 'tenant', colocate_with => 'idempotency_keys')")
+    tenant = "tenant-commit"
+    row_tenant = tenant
+    if business == "other_tenant":
+        row_tenant = _tenant_on_another_worker(url, tenant)
+    before = _prepared_transactions(url)
+    connection = store.begin()
+    try:
+        claimed = store.claim_atomic(connection, Scope(tenant, "POST /p", business), FP, ttl=600)
+        assert claimed is not None and claimed.reservation is not None
+        connection.execute(
+            sa.text(f"INSERT INTO {table} VALUES (:tenant, 'order')"), {"tenant": row_tenant}
+        )
+        assert claimed.reservation.complete(None)
+        connection.commit()
+    finally:
+        connection.close()
+    assert (_prepared_transactions(url) > before) is two_phase
+    assert store.get(Scope(tenant, "POST /p", business)) is not None
+
+
+def _tenant_on_another_worker(url: str, tenant: str) -> str:
+    """A tenant whose shard is on another worker than ``tenant``'s."""
+    def node(value: str) -> int:
+        return int(
+            _sql(
+                url,
+                "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = "
+                "get_shard_id_for_distribution_column('idempotency_keys_default', :v)",
+                v=value,
+            )[0][0]
+        )
+
+    home = node(tenant)
+    return next(f"other-{n}" for n in range(100) if node(f"other-{n}") != home)
