@@ -79,7 +79,10 @@ def _verify(archive: Path) -> None:
     sums = archive.parent / "SHA256SUMS"
     if not sums.exists():
         return
-    wanted = {name: digest for digest, name in (line.split() for line in sums.read_text().split("\n") if line)}
+    wanted = {
+        name: digest
+        for digest, name in (line.split() for line in sums.read_text().split("\n") if line)
+    }
     if archive.name in wanted:
         digest = hashlib.sha256(archive.read_bytes()).hexdigest()
         if digest != wanted[archive.name]:
@@ -130,7 +133,8 @@ class CitusCluster:
         for node in self.nodes:
             self.run(node, "CREATE EXTENSION citus")
         self.run(
-            self.coordinator, f"SELECT citus_set_coordinator_host('127.0.0.1', {self.coordinator.port})"
+            self.coordinator,
+            f"SELECT citus_set_coordinator_host('127.0.0.1', {self.coordinator.port})",
         )
         for worker in self.workers:
             self.run(self.coordinator, f"SELECT citus_add_node('127.0.0.1', {worker.port})")
@@ -151,4 +155,3 @@ class CitusCluster:
                 return list(result) if result.returns_rows else []
         finally:
             engine.dispose()
-

@@ -112,7 +112,9 @@ def _expired_in_default(url: str, tenants: int) -> None:
     )
 
 
-def test_maintain_creates_drops_and_purges_default(distributed: Distributed, store: SQLStore) -> None:
+def test_maintain_creates_drops_and_purges_default(
+    distributed: Distributed, store: SQLStore
+) -> None:
     url = distributed.url
     _expired_in_default(url, tenants=5)
     live = Scope("t-live", "POST /p", "live")
@@ -141,9 +143,10 @@ def test_maintain_creates_drops_and_purges_default(distributed: Distributed, sto
         "FROM citus_tables WHERE table_name::text LIKE 'idempotency_keys%'",
     )
     assert colocated == [(1, True)], "the new partition is distributed and colocated"
-    assert _sql(url, f"SELECT count(*) FROM pg_dist_shard WHERE logicalrelid::text = '{last}'")[0][
-        0
-    ] > 0
+    assert (
+        _sql(url, f"SELECT count(*) FROM pg_dist_shard WHERE logicalrelid::text = '{last}'")[0][0]
+        > 0
+    )
 
 
 def test_a_failed_store_statement_shows_the_databases_message(distributed: Distributed) -> None:
@@ -151,7 +154,10 @@ def test_a_failed_store_statement_shows_the_databases_message(distributed: Distr
     try:
         result = _cli(distributed.url, "maintain")
     finally:
-        _sql(distributed.url, "ALTER FUNCTION x(boolean) RENAME TO idempotency_drop_expired_partitions")
+        _sql(
+            distributed.url,
+            "ALTER FUNCTION x(boolean) RENAME TO idempotency_drop_expired_partitions",
+        )
     assert result.exit_code == 1
     assert "idempotency_drop_expired_partitions(boolean) does not exist" in result.output
 
@@ -265,7 +271,11 @@ def test_how_an_atomic_request_commits(
     _sql(url, f"DROP TABLE IF EXISTS {table}")
     _sql(url, f"CREATE TABLE {table} (tenant varchar(255) NOT NULL, reference text)")
     if business != "local":
-        _sql(url, f"SELECT create_distributed_table('{table}', 'tenant', colocate_with => 'idempotency_keys')")
+        _sql(
+            url,
+            f"SELECT create_distributed_table('{table}', 'tenant', "
+            "colocate_with => 'idempotency_keys')",
+        )
     tenant = "tenant-commit"
     row_tenant = tenant
     if business == "other_tenant":
@@ -288,6 +298,7 @@ def test_how_an_atomic_request_commits(
 
 def _tenant_on_another_worker(url: str, tenant: str) -> str:
     """A tenant whose shard is on another worker than ``tenant``'s."""
+
     def node(value: str) -> int:
         return int(
             _sql(
