@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tarfile
 import typing as t
 from pathlib import Path
@@ -112,6 +113,7 @@ class CitusCluster:
     """A coordinator (``nodes[0]``) and its workers, each a :class:`~tests.pgcluster.Cluster`."""
 
     def __init__(self, directory: Path, workers: int = WORKERS) -> None:
+        self.directory = directory
         self.nodes = [Cluster(directory / f"node{n}") for n in range(workers + 1)]
 
     @property
@@ -122,33 +124,48 @@ class CitusCluster:
     def workers(self) -> list[Cluster]:
         return self.nodes[1:]
 
-    @property
-    def url(self) -> str:
-        """The coordinator's database, where the application connects."""
-        return self.coordinator.url
-
     def start(self) -> None:
         for node in self.nodes:
             node.start(settings=SETTINGS)
+        self._join("postgres")
+
+    def create_database(self, name: str) -> str:
+        """A new database with Citus on every node, the workers added; its coordinator URL
+        (Citus' catalogs are per database: each test module gets a cluster of its own)."""
         for node in self.nodes:
-            self.run(node, "CREATE EXTENSION citus")
+            self.run(node, f'CREATE DATABASE "{name}"')
+        self._join(name)
+        return self.url(self.coordinator, name)
+
+    @staticmethod
+    def url(node: Cluster, database: str) -> str:
+        return sa.make_url(node.url).set(database=database).render_as_string(hide_password=False)
+
+    def _join(self, database: str) -> None:
+        for node in self.nodes:
+            self.run(node, "CREATE EXTENSION citus", database)
         self.run(
             self.coordinator,
             f"SELECT citus_set_coordinator_host('127.0.0.1', {self.coordinator.port})",
+            database,
         )
         for worker in self.workers:
-            self.run(self.coordinator, f"SELECT citus_add_node('127.0.0.1', {worker.port})")
+            self.run(
+                self.coordinator, f"SELECT citus_add_node('127.0.0.1', {worker.port})", database
+            )
 
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
-    @staticmethod
-    def run(node: Cluster, sql: str) -> list[t.Any]:
-        """One statement on ``node`` in autocommit; its rows."""
+    @classmethod
+    def run(cls, node: Cluster, sql: str, database: str = "postgres") -> list[t.Any]:
+        """One statement on ``node``'s ``database`` in autocommit; its rows."""
         from flask_idem.store import normalize_url
 
-        engine = sa.create_engine(normalize_url(node.url), isolation_level="AUTOCOMMIT")
+        url = normalize_url(cls.url(node, database))
+        engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
         try:
             with engine.connect() as conn:
                 result = conn.exec_driver_sql(sql)

@@ -52,7 +52,7 @@ def _cli(url: str, *args: str) -> t.Any:
 
 @pytest.fixture(scope="module")
 def distributed(citus_server: CitusCluster) -> Distributed:
-    url = citus_server.url
+    url = citus_server.create_database("flask_idem_citus")
     upgrade(url)
     first, second = (_cli(url, "citus") for _ in range(2))
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
@@ -229,10 +229,12 @@ def test_operator_reads_across_tenants(distributed: Distributed, store: SQLStore
     reason="an atomic claim locks on the node the application is connected to (docs/citus.md)",
 )
 def test_an_atomic_claim_through_a_worker_excludes_one_through_the_coordinator(
-    citus_server: CitusCluster, store: SQLStore
+    citus_server: CitusCluster, distributed: Distributed, store: SQLStore
 ) -> None:
     """Citus lets workers serve queries; two nodes' advisory locks do not exclude each other."""
-    through_worker = create_store(citus_server.workers[0].url)
+    database = sa.make_url(distributed.url).database
+    assert database is not None
+    through_worker = create_store(citus_server.url(citus_server.workers[0], database))
     scope = Scope("tenant-two-nodes", "POST /p", "one-key")
     first, second = store.begin(), through_worker.begin()
     try:
