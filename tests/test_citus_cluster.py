@@ -162,21 +162,29 @@ def test_a_failed_store_statement_shows_the_databases_message(distributed: Distr
     assert "idempotency_drop_expired_partitions(boolean) does not exist" in result.output
 
 
-def _storm(client_for: t.Callable[[], t.Any], path: str, keys: int, per_key: int) -> list[t.Any]:
-    """``per_key`` concurrent first attempts of each of ``keys`` keys, each retried on 409."""
+def _storm(
+    client_for: t.Callable[[], t.Any],
+    path: str,
+    keys: int,
+    per_key: int,
+    tenant: str = "tenant",
+    prefix: str = "storm",
+) -> list[t.Any]:
+    """``per_key`` concurrent first attempts of each of ``keys`` keys, each retried on 409
+    and on 503 (the store was unavailable: a retry with the same key is safe)."""
 
     def attempt(n: int) -> t.Any:
         client = client_for()
-        key = f"storm-{n % keys}"
+        key = f"{prefix}-{n % keys}"
         for _ in range(200):
             response = client.post(
                 path,
                 json={"amount": 100, "reference": key},
-                headers={"Idempotency-Key": key, "X-Tenant": f"tenant-{n % keys}"},
+                headers={"Idempotency-Key": key, "X-Tenant": f"{tenant}-{n % keys}"},
             )
-            if response.status_code != 409:
+            if response.status_code not in (409, 503):
                 return key, response.status_code, response.get_data()
-        raise AssertionError(f"{key} still 409 after 200 attempts")
+        raise AssertionError(f"{key} still 409 or 503 after 200 attempts")
 
     with concurrent.futures.ThreadPoolExecutor(per_key) as pool:
         return list(pool.map(attempt, range(keys * per_key)))
@@ -313,3 +321,53 @@ def _tenant_on_another_worker(url: str, tenant: str) -> str:
 
     home = node(tenant)
     return next(f"other-{n}" for n in range(100) if node(f"other-{n}") != home)
+
+
+def test_a_shard_move_during_a_storm_runs_each_key_once(
+    distributed: Distributed, citus_server: CitusCluster, app_factory: Factory
+) -> None:
+    """``citus_move_shard_placement`` of the tenants' shard groups while their keys storm."""
+    app, _, counter = app_factory(tenant=None)
+    tenants = [f"moving-{n}" for n in range(2)]
+    placements = _sql(
+        distributed.url,
+        "SELECT DISTINCT shardid, nodeport FROM pg_dist_shard_placement WHERE shardid IN ("
+        "SELECT get_shard_id_for_distribution_column('idempotency_keys_default', t) "
+        "FROM unnest(CAST(:tenants AS text[])) AS t)",
+        tenants=tenants,
+    )
+    ports = [worker.port for worker in citus_server.workers]
+    with concurrent.futures.ThreadPoolExecutor(1) as mover:
+        moved = mover.submit(
+            lambda: [
+                _sql(
+                    distributed.url,
+                    "SELECT citus_move_shard_placement(:shard, '127.0.0.1', :source, "
+                    "'127.0.0.1', :target, shard_transfer_mode => 'block_writes')",
+                    shard=shard,
+                    source=port,
+                    target=next(p for p in ports if p != port),
+                )
+                for shard, port in placements
+            ]
+        )
+        # Rounds of new keys until the move is over: every round after the first starts while
+        # the move runs.
+        answers: list[t.Any] = []
+        rounds = 0
+        while not moved.done() or rounds == 0:
+            answers += _storm(
+                app.test_client, "/payments", 2, 4, tenant="moving", prefix=f"round-{rounds}"
+            )
+            rounds += 1
+        moved.result()
+    after = _sql(
+        distributed.url,
+        "SELECT DISTINCT shardid, nodeport FROM pg_dist_shard_placement "
+        "WHERE shardid = ANY(CAST(:shards AS bigint[]))",
+        shards=[shard for shard, _ in placements],
+    )
+    assert all(dict(after)[shard] != port for shard, port in placements), "every shard moved"
+    assert rounds > 1, "the move ended before the first round of claims did"
+    assert counter.calls == 2 * rounds, "no key ran twice, none was lost"
+    assert {status for _, status, _ in answers} == {201}
