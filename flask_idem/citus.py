@@ -25,6 +25,7 @@ import typing as t
 import sqlalchemy as sa
 
 from .errors import IdempotencyError
+from .store.sql import database_message
 
 TABLE = "idempotency_keys"
 DISTRIBUTION_COLUMN = "tenant"
@@ -200,12 +201,18 @@ def distribute(
     """
     if engine.dialect.name != "postgresql":
         raise CitusMissing(f"Citus runs on PostgreSQL; this store is on {engine.dialect.name}")
+    # Distributing copies the table's rows and creates shards on every worker: seconds, past
+    # the store's statement timeout and client-side deadline, so it runs on an engine of its
+    # own, without them (as migrations do).
+    ddl_engine = sa.create_engine(engine.url, poolclass=sa.pool.NullPool)
     try:
-        return _distribute(engine, colocate_with, dry_run)
+        return _distribute(ddl_engine, colocate_with, dry_run)
     except sa.exc.SQLAlchemyError as exc:
         # The server's own message (table names, Citus' reason), never statement parameters.
-        reason = str(getattr(exc, "orig", None) or type(exc).__name__).strip().splitlines()[0]
+        reason = database_message(exc) or type(exc).__name__
         raise CitusError(f"distribution failed: {reason}") from exc
+    finally:
+        ddl_engine.dispose()
 
 
 def _distribute(engine: sa.Engine, colocate_with: str | None, dry_run: bool) -> list[Step]:

@@ -32,6 +32,7 @@ from .record import KeyUsage, MaintenanceReport, Record, Scope, State
 from .sealing import KEY_ID_PATTERN, KEY_ID_SIZE, generate_key
 from .serialization import record_schema
 from .state import AppState
+from .store.sql import database_message
 from .trail import AuditEntry
 
 P = t.ParamSpec("P")
@@ -59,7 +60,9 @@ def _store_errors(command: t.Callable[P, None]) -> t.Callable[P, None]:
         try:
             command(*args, **kwargs)
         except IdempotencyError as exc:
-            raise click.ClickException(str(exc)) from exc
+            reason = database_message(exc)
+            shown = str(exc) if not reason or reason in str(exc) else f"{exc} ({reason})"
+            raise click.ClickException(shown) from exc
 
     return wrapper
 

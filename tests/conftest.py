@@ -18,7 +18,7 @@ from flask_idem.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import age_record, empty_store
 
-from . import fsa_app, pgcluster
+from . import citus_cluster, fsa_app, pgcluster
 
 DIALECTS = ("postgresql", "sqlite")
 
@@ -38,6 +38,39 @@ def pg_server_url() -> t.Iterator[str]:
         yield cluster.url
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def citus_server() -> t.Iterator[citus_cluster.CitusCluster]:
+    """A Citus coordinator and two workers for this run, Citus installed first when missing.
+
+    Without Citus the tests that need it skip with one line saying why, or fail under
+    ``FLASK_IDEM_REQUIRE_CITUS=1`` (CI), where a skipped Citus test would hide a regression.
+    """
+    try:
+        citus_cluster.ensure_installed()
+    except citus_cluster.CitusUnavailable as exc:
+        message = f"{citus_cluster.DID_NOT_RUN}: {exc}"
+        if citus_cluster.required():
+            pytest.fail(f"{message} ({citus_cluster.REQUIRE_VARIABLE} is set)", pytrace=False)
+        pytest.skip(message)
+    cluster = citus_cluster.CitusCluster(pgcluster.PG_DIR / f"citus-{os.getpid()}")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def pytest_terminal_summary(terminalreporter: t.Any) -> None:
+    """Say in one line, after the summary, that the Citus tests were skipped, and why."""
+    reasons = {
+        str(report.longrepr[2]).removeprefix("Skipped: ")
+        for report in terminalreporter.stats.get("skipped", [])
+        if isinstance(report.longrepr, tuple) and citus_cluster.DID_NOT_RUN in report.longrepr[2]
+    }
+    for reason in sorted(reasons):
+        terminalreporter.write_line(reason, yellow=True, bold=True)
 
 
 @pytest.fixture(scope="session")

@@ -144,9 +144,18 @@ _EXPIRED = (
     "+ (expires_at - created_at) <= now()"
 )
 _COUNT_EXPIRED_DEFAULT = sa.text(f"SELECT count(*) FROM {DEFAULT_PARTITION} WHERE {_EXPIRED}")
+# By primary key, not ctid: a ctid names a row within one shard only, and Citus refuses it in
+# a modification with a subquery. Citus runs the batch's SELECT first (where STABLE functions
+# of columns are allowed) and the DELETE on every shard after it, so the DELETE checks expiry
+# again in the form Citus accepts in a modification (now() evaluated on the coordinator, the
+# rest immutable); both must hold, so nothing the claim still counts live is deleted.
 _PURGE_DEFAULT = sa.text(
-    f"DELETE FROM {DEFAULT_PARTITION} WHERE ctid = ANY(ARRAY("
-    f"SELECT ctid FROM {DEFAULT_PARTITION} WHERE {_EXPIRED} LIMIT :batch))"
+    f"DELETE FROM {DEFAULT_PARTITION} AS d "
+    "WHERE (d.tenant, d.endpoint, d.key, d.created_at) IN ("
+    f"SELECT tenant, endpoint, key, created_at FROM {DEFAULT_PARTITION} WHERE {_EXPIRED} "
+    "LIMIT :batch) AND d.expires_at <= now() "
+    "AND now() - coalesce(d.completed_at, d.lease_expires_at, d.created_at) "
+    ">= d.expires_at - d.created_at"
 )
 # Partitions of idempotency_keys whose range starts after now (the name carries its start).
 _PARTITIONS_AHEAD = sa.text(

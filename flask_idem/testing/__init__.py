@@ -84,7 +84,12 @@ def age_record(store: Store, scope: Scope, seconds: float, *columns: str) -> Non
     completion, or only ``columns``). Stores read the database clock: never ``sleep``."""
     columns = columns or ("created_at", "expires_at", "lease_expires_at", "completed_at")
     if store.engine.dialect.name == "postgresql":
-        moved = {c: f"{c} - make_interval(secs => {float(seconds)})" for c in columns}
+        # In UTC timestamps, whose arithmetic is immutable: Citus refuses a STABLE operator
+        # (timestamptz - interval) applied to a column in an UPDATE.
+        moved = {
+            c: f"timezone('UTC', timezone('UTC', {c}) - make_interval(secs => {float(seconds)}))"
+            for c in columns
+        }
     else:
         moved = {
             c: f"strftime('%Y-%m-%d %H:%M:%f', {c}, '{-float(seconds):+f} seconds') || '000'"
