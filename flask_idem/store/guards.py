@@ -55,6 +55,8 @@ import psycopg2
 import psycopg2.extensions
 import sqlalchemy as sa
 
+from . import pooler
+
 log = logging.getLogger("flask_idem")
 
 #: Seconds a store statement may run (server ``statement_timeout`` and ``lock_timeout``).
@@ -348,9 +350,13 @@ def connection_factory(deadline: float) -> t.Callable[..., DeadlineConnection]:
 _warned = False
 
 
-def quiet_server_log(dbapi_connection: t.Any, _record: t.Any) -> None:
-    """``connect`` event: keep this session's statement texts out of the server log."""
+def quiet_server_log(dbapi_connection: t.Any, record: t.Any) -> None:
+    """``connect`` event: keep this session's statement texts out of the server log (behind a
+    transaction pooler a session ``SET`` would outlive it: the claims do it for their own
+    transaction instead, see :mod:`.pooler`)."""
     global _warned
+    if pooler.behind_pooler(dbapi_connection, record):
+        return
     autocommit = dbapi_connection.autocommit
     dbapi_connection.autocommit = True
     try:
