@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import typing as t
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -65,6 +66,8 @@ class PgBouncer:
     """One PgBouncer process in front of the server at ``server_url``."""
 
     server_url: str
+    #: More ``[pgbouncer]`` settings (none: the default configuration).
+    settings: t.Mapping[str, str] = dataclasses.field(default_factory=dict)
     directory: Path = dataclasses.field(
         default_factory=lambda: Path(tempfile.mkdtemp(prefix="flask-idem-pgbouncer-"))
     )
@@ -98,6 +101,7 @@ class PgBouncer:
             f"pidfile = {self.directory / 'pgbouncer.pid'}\n"
             f"auth_file = {self.directory / 'userlist.txt'}\n"
             "pool_mode = transaction\n"
+            + "".join(f"{name} = {value}\n" for name, value in self.settings.items())
         )
         command = [executable, str(self.directory / "pgbouncer.ini")]
         user = pgcluster._server_user()
