@@ -81,9 +81,9 @@ class PgBouncer:
     def url(self, database_url: str) -> str:
         """``database_url`` (a database of the server) reached through the pooler."""
         parsed = sa.make_url(database_url)
-        return parsed.set(
-            password=PASSWORD, host="127.0.0.1", port=self.port
-        ).render_as_string(hide_password=False)
+        return parsed.set(password=PASSWORD, host="127.0.0.1", port=self.port).render_as_string(
+            hide_password=False
+        )
 
     def start(self) -> None:
         executable = ensure_binary()

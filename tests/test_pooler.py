@@ -130,7 +130,7 @@ def _settings(cursor: t.Any) -> dict[str, str | None]:
     cursor.execute(
         "SELECT " + ", ".join("nullif(current_setting(%s, true), '')" for _ in names), names
     )
-    return dict(zip(names, cursor.fetchone()))
+    return dict(zip(names, cursor.fetchone(), strict=True))
 
 
 def _scope(name: str) -> Scope:
@@ -276,7 +276,9 @@ def test_a_worker_killed_mid_request_charges_once(
     connection.connect()
     assert connection.sock is not None
     client_port = connection.sock.getsockname()[1]
-    thread, outcome = in_background(lambda: server.pay(key, payment(customer), connection=connection))
+    thread, outcome = in_background(
+        lambda: server.pay(key, payment(customer), connection=connection)
+    )
     # The provider has charged and is "answering": kill the worker now.
     charged = "SELECT count(*) FROM provider_charges WHERE customer = :c"
     wait_for(lambda: server.scalar(charged, c=customer) == 1)
@@ -340,9 +342,7 @@ def test_claims_timing_out_keep_keys_out_of_the_server_log(
     for reply, seconds in answered:
         assert_answer(reply, {503})
         assert seconds < BOUND
-    assert "canceling statement due to lock timeout" in cluster.log_file.read_text(
-        errors="replace"
-    )
+    assert "canceling statement due to lock timeout" in cluster.log_file.read_text(errors="replace")
     for key, customer in jobs:
         assert settle(server, key, payment(customer)).status == 201
     assert_no_key_in(cluster.log_file)

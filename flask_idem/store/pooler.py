@@ -38,7 +38,7 @@ SENT = "flask_idem.startup_options"
 #: What PgBouncer answers to a start-up parameter it does not pass on.
 _REFUSED = "unsupported startup parameter"
 #: The session's settings a pooled store session relies on the role for, and their wanted value.
-_ROLE_SETTINGS = (
+_ROLE_SETTINGS: tuple[tuple[str, t.Callable[[str], bool]], ...] = (
     ("statement_timeout", lambda value: value != "0"),
     ("lock_timeout", lambda value: value != "0"),
     ("log_min_error_statement", lambda value: value == "panic"),
@@ -142,7 +142,8 @@ def _read_committed(dbapi_connection: t.Any) -> t.Any:
 
 def _warn_missing_role_settings(values: list[str]) -> None:
     global _warned
-    missing = [name for (name, wanted), value in zip(_ROLE_SETTINGS, values) if not wanted(value)]
+    settings = zip(_ROLE_SETTINGS, values, strict=True)
+    missing = [name for (name, wanted), value in settings if not wanted(value)]
     if not missing or _warned:
         return
     _warned = True

@@ -38,8 +38,8 @@ branch_labels = None
 depends_on = None
 
 #: The start of both claim functions from this revision on.
-SESSION_BOUNDS = """    -- Bounds and a quiet log for this transaction when the session brings none (behind a
-    -- transaction pooler): local settings, gone with the transaction (revision 0008).
+SESSION_BOUNDS = """    -- Bounds and a quiet log for this transaction when the session has none
+    -- (behind a transaction pooler): local settings, gone with the transaction (0008).
     IF current_setting('lock_timeout') = '0' THEN
         PERFORM set_config('lock_timeout', '4s', true);
     END IF;
