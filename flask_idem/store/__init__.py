@@ -88,9 +88,14 @@ def engine_options(
     if statement_timeout is not None:
         milliseconds = int(statement_timeout * 1000)
         session += [f"-c statement_timeout={milliseconds}", f"-c lock_timeout={milliseconds}"]
-        connect_args["connection_factory"] = guards.connection_factory(
-            statement_timeout + guards.DEADLINE_GRACE
-        )
+        deadline = statement_timeout + guards.DEADLINE_GRACE
+        if normalize_url(url).get_driver_name() == "psycopg":
+            from . import deadline_psycopg
+
+            # Not a psycopg argument: the engine's connect (:mod:`.pooler`) takes it out.
+            connect_args[pooler.CONNECTION_CLASS] = deadline_psycopg.connection_class(deadline)
+        else:
+            connect_args["connection_factory"] = guards.connection_factory(deadline)
     connect_args["options"] = " ".join(session)
     return {
         "pool_size": 10,

@@ -35,6 +35,9 @@ STARTUP_MARKER = "flask_idem.startup"
 #: ``connection_record.info`` key: True when the connection was opened with flask_idem's
 #: start-up options, False when they were refused; absent for an engine without them.
 SENT = "flask_idem.startup_options"
+#: A ``connect_args`` entry that is no driver argument: the psycopg 3 connection class whose
+#: ``connect`` opens the engine's connections (:mod:`.deadline_psycopg`).
+CONNECTION_CLASS = "flask_idem_connection_class"
 #: What PgBouncer answers to a start-up parameter it does not pass on.
 _REFUSED = "unsupported startup parameter"
 #: The session's settings a pooled store session relies on the role for, and their wanted value.
@@ -81,14 +84,16 @@ class _Fallback:
     def do_connect(
         self, dialect: sa.Dialect, record: t.Any, cargs: list[t.Any], cparams: dict[str, t.Any]
     ) -> t.Any:
+        connection_class = cparams.pop(CONNECTION_CLASS, None)
         if STARTUP_MARKER not in str(cparams.get("options", "")):
             return None  # not flask_idem's settings: the default connect
+        connect = dialect.connect if connection_class is None else connection_class.connect
         if self.refused:
             cparams.pop("options")
             record.info[SENT] = False
-            return None
+            return connect(*cargs, **cparams)
         try:
-            connection = dialect.connect(*cargs, **cparams)
+            connection = connect(*cargs, **cparams)
         except dialect.loaded_dbapi.OperationalError as exc:
             if _REFUSED not in str(exc):
                 raise
@@ -96,7 +101,7 @@ class _Fallback:
             log.info("the server refused start-up options (a transaction pooler?): going without")
             cparams.pop("options")
             record.info[SENT] = False
-            return dialect.connect(*cargs, **cparams)
+            return connect(*cargs, **cparams)
         record.info[SENT] = True
         return connection
 
@@ -125,6 +130,10 @@ def behind_pooler(dbapi_connection: t.Any, record: t.Any) -> bool:
     # The claim functions insist on READ COMMITTED; the driver says so in each BEGIN, never
     # with a session SET (psycopg2 >= 2.7, psycopg 3).
     dbapi_connection.isolation_level = _read_committed(dbapi_connection)
+    if hasattr(dbapi_connection, "prepare_threshold"):
+        # psycopg 3 prepares a statement run often; the next transaction may be on another
+        # server connection, which never saw it (PgBouncer 1.18 keeps no prepared statements).
+        dbapi_connection.prepare_threshold = None
     _warn_missing_role_settings(values)
     return True
 
