@@ -24,7 +24,9 @@ def pg_url(request: pytest.FixtureRequest, pg_url: str) -> str:
     return spelled_for(pg_url, request.param)
 
 
-@pytest.fixture(name="db_url", params=[*PG_DRIVERS, "sqlite"], ids=["postgresql", "psycopg", "sqlite"])
+@pytest.fixture(
+    name="db_url", params=[*PG_DRIVERS, "sqlite"], ids=["postgresql", "psycopg", "sqlite"]
+)
 def db_url(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -> str:
     """conftest's ``db_url`` with PostgreSQL through each driver."""
     return sqlite_url if request.param == "sqlite" else spelled_for(pg_url, request.param)
