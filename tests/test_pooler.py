@@ -30,6 +30,7 @@ from flask_idem.store import create_store, guards
 from flask_idem.testing import empty_store
 
 from . import pgbouncer, pgcluster
+from .drivers import PG_DRIVERS, spelled_for
 from .sample_server import SampleServer, migrate
 from .test_faults import (
     BOUND,
@@ -115,10 +116,16 @@ def any_pooler(request: pytest.FixtureRequest) -> pgbouncer.PgBouncer:
     return t.cast(pgbouncer.PgBouncer, request.getfixturevalue(name))
 
 
+@pytest.fixture(params=PG_DRIVERS, ids=["psycopg2", "psycopg"])
+def driver(request: pytest.FixtureRequest) -> str:
+    """Each PostgreSQL driver (psycopg 3 prepares statements it runs often: not behind it)."""
+    return str(request.param)
+
+
 @pytest.fixture
-def pooled_store(database: str, any_pooler: pgbouncer.PgBouncer) -> t.Iterator[t.Any]:
+def pooled_store(database: str, any_pooler: pgbouncer.PgBouncer, driver: str) -> t.Iterator[t.Any]:
     """An empty store whose engine reaches the database through PgBouncer."""
-    store = create_store(any_pooler.url(database))
+    store = create_store(spelled_for(any_pooler.url(database), driver))
     empty_store(store)
     yield store
     empty_store(store)
@@ -187,13 +194,13 @@ def test_a_durable_claim_waits_for_a_held_scope_lock_no_longer_than_the_bound(
 
 
 def test_nothing_stays_on_a_server_connection_another_client_gets(
-    cluster: pgcluster.Cluster, any_pooler: pgbouncer.PgBouncer
+    cluster: pgcluster.Cluster, any_pooler: pgbouncer.PgBouncer, driver: str
 ) -> None:
     """After the store's sessions (durable and atomic claims, from several threads at once),
     every server connection PgBouncer holds shows the server's defaults to a plain client."""
     database = pgcluster.create_database(cluster.url)  # its own: no other client's backends
     upgrade(database)
-    pooled_store = create_store(any_pooler.url(database))
+    pooled_store = create_store(spelled_for(any_pooler.url(database), driver))
 
     def work(n: int) -> None:
         assert pooled_store.claim(_scope(f"d{n}"), b"f" * 32, ttl=60, lease=30).claimed
@@ -226,6 +233,26 @@ def test_nothing_stays_on_a_server_connection_another_client_gets(
     finally:
         for client in clients:
             client.close()
+
+
+def test_psycopg_3_claims_follow_the_pooler_to_another_server_connection(
+    database: str, pooler: pgbouncer.PgBouncer
+) -> None:
+    """psycopg 3 prepares a statement it runs often, on the server connection of that moment;
+    PgBouncer 1.18 sends the next transaction wherever a server connection is free, where that
+    statement does not exist. Store sessions behind a pooler prepare nothing."""
+    store = create_store(spelled_for(pooler.url(database), "postgresql+psycopg"))
+    other = psycopg2.connect(pooler.url(database))
+    try:
+        for n in range(8):  # past psycopg's prepare_threshold (5), on one pooled connection
+            assert store.claim(_scope(f"before{n}"), b"f" * 32, ttl=60, lease=30).claimed
+        with other.cursor() as cursor:  # holds the server connection the claims just used
+            cursor.execute("SELECT 1")
+        for n in range(3):
+            assert store.claim(_scope(f"after{n}"), b"f" * 32, ttl=60, lease=30).claimed
+    finally:
+        other.close()
+        store.engine.dispose()
 
 
 # -- the sample app under gunicorn -----------------------------------------------------------
