@@ -1,6 +1,7 @@
-"""Running a test module on both PostgreSQL drivers: ``from .drivers import pg_url`` in it
-spells its ``pg_url`` for psycopg2 (the default) and psycopg 3 in turn, and only there, so the
-rest of the suite does not run twice."""
+"""Running a test module on both PostgreSQL drivers, psycopg2 (the default) and psycopg 3.
+
+Importing ``pg_url_on_each_driver`` (or ``db_url_on_each_driver``) into a test module overrides
+its ``pg_url`` (``db_url``) there only, so the rest of the suite does not run twice."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def spelled_for(url: str, driver: str) -> str:
 
 
 @pytest.fixture(name="pg_url", params=PG_DRIVERS, ids=["psycopg2", "psycopg"])
-def pg_url(request: pytest.FixtureRequest, pg_url: str) -> str:
+def pg_url_on_each_driver(request: pytest.FixtureRequest, pg_url: str) -> str:
     """conftest's migrated database, through each driver."""
     return spelled_for(pg_url, request.param)
 
@@ -27,7 +28,7 @@ def pg_url(request: pytest.FixtureRequest, pg_url: str) -> str:
 @pytest.fixture(
     name="db_url", params=[*PG_DRIVERS, "sqlite"], ids=["postgresql", "psycopg", "sqlite"]
 )
-def db_url(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -> str:
+def db_url_on_each_driver(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -> str:
     """conftest's ``db_url`` with PostgreSQL through each driver."""
     return sqlite_url if request.param == "sqlite" else spelled_for(pg_url, request.param)
 

@@ -25,8 +25,12 @@ from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing import empty_store
 from flask_idem.testing.contract import FP, RESPONSE
 
-from .drivers import cursor_class, driver_of, is_idle
-from .drivers import pg_url  # noqa: F401 (the driver tests on both drivers)
+from .drivers import (
+    cursor_class,
+    driver_of,
+    is_idle,
+    pg_url_on_each_driver,  # noqa: F401 (the driver tests on both drivers)
+)
 
 pytestmark = pytest.mark.postgresql
 
