@@ -57,13 +57,15 @@ lint: install
 # encryption of stored responses, on and off; BENCH_MODE=trail the audit trail on and off; BENCH_ARGS passes options (python -m bench -h).
 BENCH_MODE ?= run
 BENCH_ARGS ?=
+# The PostgreSQL driver every layer of the bench uses: psycopg2 or psycopg (psycopg 3).
+BENCH_DRIVER ?= psycopg2
 
 bench: install
-	$(BIN)/python -m bench $(BENCH_MODE) $(BENCH_ARGS)
+	BENCH_DRIVER=$(BENCH_DRIVER) $(BIN)/python -m bench $(BENCH_MODE) $(BENCH_ARGS)
 
 # The same in under a minute: 2 short rounds, 3 storms.
 bench-quick: install
-	$(BIN)/python -m bench run --quick $(BENCH_ARGS)
+	BENCH_DRIVER=$(BENCH_DRIVER) $(BIN)/python -m bench run --quick $(BENCH_ARGS)
 
 clean: pg-stop
 	rm -rf $(VENV) .pg instance build dist docs/_build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -71,14 +71,17 @@ handwritten_keys = sa.Table(
 
 
 def database_url(url: str | None = None) -> str:
-    """The bench database, pinned to psycopg2 (SQLAlchemy 2.1 maps ``postgresql://`` to
-    psycopg 3, which is not installed)."""
+    """The bench database through ``BENCH_DRIVER`` (``psycopg2``, the default, or ``psycopg``
+    for psycopg 3), whatever driver the URL names: every layer measures the same driver."""
     raw = url or os.environ.get("BENCH_DATABASE_URL")
     if not raw:
         raise RuntimeError("set BENCH_DATABASE_URL to the bench database")
+    driver = os.environ.get("BENCH_DRIVER") or "psycopg2"
+    if driver not in ("psycopg2", "psycopg"):
+        raise RuntimeError(f"BENCH_DRIVER is psycopg2 or psycopg, not {driver!r}")
     parsed = sa.make_url(raw)
-    if parsed.drivername in ("postgres", "postgresql"):
-        parsed = parsed.set(drivername="postgresql+psycopg2")
+    if parsed.get_backend_name() == "postgresql" or parsed.drivername == "postgres":
+        parsed = parsed.set(drivername=f"postgresql+{driver}")
     return parsed.render_as_string(hide_password=False)
 
 

@@ -577,3 +577,29 @@ def test_profile_attributes_calls_to_the_innermost_layer_function() -> None:
     # A count per request, not a time: the same for any number of requests.
     assert counted == dict(_attributed_calls(one, 7))
     assert counted["/bench/apps.py:database_url"] >= 3
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "psycopg"])
+def test_every_layer_runs_on_the_driver_bench_driver_names(
+    monkeypatch: pytest.MonkeyPatch, bench_url: str, driver: str
+) -> None:
+    """``make bench BENCH_DRIVER=psycopg`` measures psycopg 3: each layer's engine uses it,
+    whatever driver the bench database's URL names, and answers the payment."""
+    from bench import apps
+
+    monkeypatch.setenv("BENCH_DRIVER", driver)
+    for spelling in ("postgresql", "postgresql+psycopg2", "postgresql+psycopg"):
+        url = apps.database_url(
+            sa.make_url(bench_url).set(drivername=spelling).render_as_string(hide_password=False)
+        )
+        assert sa.make_url(url).drivername == f"postgresql+{driver}"
+    engine = sa.create_engine(apps.database_url(bench_url))
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT 1").scalar_one() == 1
+            assert engine.dialect.driver == driver
+    finally:
+        engine.dispose()
+    monkeypatch.setenv("BENCH_DRIVER", "pg8000")
+    with pytest.raises(RuntimeError, match="psycopg2 or psycopg"):
+        apps.database_url(bench_url)

@@ -25,6 +25,13 @@ from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing import empty_store
 from flask_idem.testing.contract import FP, RESPONSE
 
+from .drivers import (
+    cursor_class,
+    driver_of,
+    is_idle,
+    pg_url_on_each_driver,  # noqa: F401 (the driver tests on both drivers)
+)
+
 pytestmark = pytest.mark.postgresql
 
 
@@ -166,11 +173,11 @@ class TestClaimThroughTheDriver:
     ) -> None:
         # KeyboardInterrupt, or gunicorn's SystemExit on a worker timeout, after the claim was
         # sent: the connection may still carry the claim's answer, so it is discarded.
-        class Interrupting(psycopg2.extensions.cursor):  # type: ignore[misc]
+        class Interrupting(cursor_class(pg_url)):  # type: ignore[misc]
             armed = True
 
-            def execute(self, query: str, *args: t.Any) -> t.Any:
-                result = super().execute(query, *args)
+            def execute(self, query: str, *args: t.Any, **kwargs: t.Any) -> t.Any:
+                result = super().execute(query, *args, **kwargs)
                 if Interrupting.armed and "FROM idempotency_claim" in query:
                     Interrupting.armed = False
                     raise KeyboardInterrupt
@@ -252,7 +259,7 @@ def test_failover_rule_in_handle_error_renews_the_pool(
 
     @sa.event.listens_for(engine, "handle_error")
     def failover(ctx: t.Any) -> None:
-        if isinstance(ctx.original_exception, psycopg2.errors.ReadOnlySqlTransaction):
+        if isinstance(ctx.original_exception, driver_of(pg_url).errors.ReadOnlySqlTransaction):
             ctx.is_disconnect = True
 
     _trace(engine, path)
@@ -337,7 +344,7 @@ def test_pool_is_clean_and_quiet_after_a_disconnect(
             with engine.connect() as conn:
                 dbapi = conn.connection.dbapi_connection
                 assert not dbapi.autocommit
-                assert dbapi.status == psycopg2.extensions.STATUS_READY
+                assert is_idle(dbapi)
     finally:
         engine.dispose()
 
@@ -490,11 +497,11 @@ def test_an_interrupted_completion_commits_nothing_and_leaves_the_pool(
     (on the driver's cursor, in the business transaction): the connection is discarded, never
     committed or pooled again, and the record stays in progress (its lease then ends it)."""
 
-    class Interrupting(psycopg2.extensions.cursor):  # type: ignore[misc]
+    class Interrupting(cursor_class(pg_url)):  # type: ignore[misc]
         armed = True
 
-        def execute(self, query: str, *args: t.Any) -> t.Any:
-            result = super().execute(query, *args)
+        def execute(self, query: str, *args: t.Any, **kwargs: t.Any) -> t.Any:
+            result = super().execute(query, *args, **kwargs)
             if Interrupting.armed and query.startswith("UPDATE idempotency_keys"):
                 Interrupting.armed = False
                 raise SystemExit(1)

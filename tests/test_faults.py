@@ -32,6 +32,7 @@ import pytest
 from flask_idem.store import guards
 
 from . import pgcluster
+from .drivers import PG_DRIVERS, spelled_for
 from .sample_server import BETA, Reply, SampleServer, migrate
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
@@ -82,11 +83,13 @@ def database(cluster: pgcluster.Cluster) -> str:
     return url
 
 
-@pytest.fixture
-def server(database: str, tmp_path: Path) -> t.Iterator[SampleServer]:
+@pytest.fixture(params=PG_DRIVERS, ids=["psycopg2", "psycopg"])
+def server(
+    request: pytest.FixtureRequest, database: str, tmp_path: Path
+) -> t.Iterator[SampleServer]:
     # Threads enough for every concurrent request of a test, whichever worker accepts it: a
     # request queued behind a busy thread would measure the queue, not the store.
-    server = SampleServer(database, tmp_path, threads=8)
+    server = SampleServer(spelled_for(database, request.param), tmp_path, threads=8)
     yield server
     server.stop()
     assert_healthy(server)
@@ -151,11 +154,14 @@ def frozen(cluster: pgcluster.Cluster) -> t.Iterator[None]:
 # -- forked workers ------------------------------------------------------------------------
 
 
-def test_preloaded_workers_never_share_a_connection(database: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("driver", PG_DRIVERS)
+def test_preloaded_workers_never_share_a_connection(
+    database: str, driver: str, tmp_path: Path
+) -> None:
     """``--preload`` with the start-up partition check: the master's pooled connection must
     not reach the workers (issue 11, item 1: 500s and other requests' payments)."""
     server = SampleServer(
-        database,
+        spelled_for(database, driver),
         tmp_path,
         workers=4,
         args=["--preload"],
@@ -406,11 +412,12 @@ def test_sqlite_locked_by_another_process_answers_503_in_time(tmp_path: Path) ->
     assert_healthy(server)
 
 
-def test_client_side_deadline_fires_on_a_frozen_backend(database: str) -> None:
+@pytest.mark.parametrize("driver", PG_DRIVERS)
+def test_client_side_deadline_fires_on_a_frozen_backend(database: str, driver: str) -> None:
     """The measurement behind the promise: one frozen backend, one statement, one deadline."""
     from flask_idem.store import create_engine
 
-    engine = create_engine(database)
+    engine = create_engine(spelled_for(database, driver))
     try:
         with engine.connect() as conn:
             pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
@@ -432,7 +439,10 @@ def test_client_side_deadline_fires_on_a_frozen_backend(database: str) -> None:
         engine.dispose()
 
 
-def test_a_frozen_store_backend_leaves_the_applications_connections_alone(database: str) -> None:
+@pytest.mark.parametrize("driver", PG_DRIVERS)
+def test_a_frozen_store_backend_leaves_the_applications_connections_alone(
+    database: str, driver: str
+) -> None:
     """The deadline is per store connection: while a frozen backend fails a store call in
     time, the application's own connections (idle, or running longer than the deadline) are
     not touched, and COPY keeps working on them."""
@@ -441,7 +451,7 @@ def test_a_frozen_store_backend_leaves_the_applications_connections_alone(databa
     from flask_idem import Scope, StoreUnavailable
     from flask_idem.store import create_engine, create_store
 
-    engine = create_engine(database)
+    engine = create_engine(spelled_for(database, driver))
     store = create_store(engine)
     idle = psycopg2.connect(database)
     busy = psycopg2.connect(database)

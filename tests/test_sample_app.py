@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from .drivers import PG_DRIVERS
 from .faultproxy import FaultProxy
 from .sample_server import BETA, Reply, SampleServer, migrate, spelled
 
@@ -47,12 +48,15 @@ STORABLE_HEADERS = {"content-type", "location", "content-language", "etag", "lin
 # -- servers ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=PG_DRIVERS, ids=["psycopg2", "psycopg"])
 def main(
-    fresh_pg_database: t.Callable[[], str], tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    fresh_pg_database: t.Callable[[], str],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> t.Iterator[SampleServer]:
-    """Fast provider; ``postgresql+psycopg2://`` for both ``make migrate`` and the server."""
-    url = spelled(fresh_pg_database(), "postgresql+psycopg2")
+    """Fast provider; each driver (``postgresql+psycopg2://``, ``postgresql+psycopg://``) for
+    both ``make migrate`` and the server: the contract holds on both."""
+    url = spelled(fresh_pg_database(), request.param)
     migrate(url)
     server = SampleServer(
         url, tmp_path_factory.mktemp("main"), threads=4, FLASK_IDEMPOTENCY_TTL=str(TTL)

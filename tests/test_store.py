@@ -17,6 +17,7 @@ from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing.contract import FP, RESPONSE, StoreContract
 
 from .conftest import count_statements
+from .drivers import db_url_on_each_driver  # noqa: F401 (the store contract on both drivers)
 
 
 class TestSQLStores(StoreContract):

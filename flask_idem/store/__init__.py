@@ -7,7 +7,7 @@ import typing as t
 import sqlalchemy as sa
 
 from ..errors import ConfigurationError
-from . import guards
+from . import guards, pooler
 from .base import Store
 from .postgresql import PostgresStore
 from .sql import SQLStore
@@ -84,13 +84,18 @@ def engine_options(
     # The claim functions refuse any other isolation (their lookup must see the record the
     # previous lock holder committed): whatever the database's or role's default, our
     # sessions use READ COMMITTED.
-    session = ["-c default_transaction_isolation=read\\ committed"]
+    session = [pooler.startup_option(), "-c default_transaction_isolation=read\\ committed"]
     if statement_timeout is not None:
         milliseconds = int(statement_timeout * 1000)
         session += [f"-c statement_timeout={milliseconds}", f"-c lock_timeout={milliseconds}"]
-        connect_args["connection_factory"] = guards.connection_factory(
-            statement_timeout + guards.DEADLINE_GRACE
-        )
+        deadline = statement_timeout + guards.DEADLINE_GRACE
+        if normalize_url(url).get_driver_name() == "psycopg":
+            from . import deadline_psycopg
+
+            # Not a psycopg argument: the engine's connect (:mod:`.pooler`) takes it out.
+            connect_args[pooler.CONNECTION_CLASS] = deadline_psycopg.connection_class(deadline)
+        else:
+            connect_args["connection_factory"] = guards.connection_factory(deadline)
     connect_args["options"] = " ".join(session)
     return {
         "pool_size": 10,
@@ -103,11 +108,12 @@ def engine_options(
 
 def prepare_engine(engine: sa.Engine) -> sa.Engine:
     """Make an engine safe for the store: fork-safe pools, and on PostgreSQL sessions that keep
-    statement texts out of the server log. Idempotent; applied to every store's engine."""
-    if engine.dialect.name == "postgresql" and not sa.event.contains(
-        engine, "connect", guards.quiet_server_log
-    ):
-        sa.event.listen(engine, "connect", guards.quiet_server_log)
+    statement texts out of the server log, also behind a transaction pooler
+    (:mod:`.pooler`). Idempotent; applied to every store's engine."""
+    if engine.dialect.name == "postgresql":
+        pooler.connect_without_refused_options(engine)
+        if not sa.event.contains(engine, "connect", guards.quiet_server_log):
+            sa.event.listen(engine, "connect", guards.quiet_server_log)
     guards.make_fork_safe(engine)
     return engine
 

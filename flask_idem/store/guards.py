@@ -5,7 +5,7 @@ Fork safety
     partition check, ``multiprocessing``) is one socket shared by several processes: their
     answers interleave and a request can read another request's row. After a fork the child
     drops every inherited pool (:meth:`sqlalchemy.engine.Engine.dispose` with ``close=False``)
-    and opens its own connections. An inherited psycopg2 socket is first replaced by
+    and opens its own connections. An inherited psycopg2 or psycopg 3 socket is first replaced by
     ``/dev/null`` in the child, so that garbage-collecting the connection sends its
     ``Terminate`` message nowhere instead of ending the parent's session.
 
@@ -46,6 +46,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import typing as t
@@ -54,6 +55,8 @@ import weakref
 import psycopg2
 import psycopg2.extensions
 import sqlalchemy as sa
+
+from . import pooler
 
 log = logging.getLogger("flask_idem")
 
@@ -99,11 +102,20 @@ def _remember(dbapi_connection: t.Any, _record: t.Any) -> None:
         pass
 
 
+def _driver(dbapi_connection: t.Any) -> t.Any:
+    """The psycopg module (psycopg2 or psycopg 3) of a driver connection, else None."""
+    for cls in type(dbapi_connection).__mro__:
+        package = cls.__module__.partition(".")[0]
+        if package in ("psycopg2", "psycopg"):
+            return sys.modules[package]
+    return None
+
+
 def _after_fork_in_child() -> None:
     inherited = list(_connections)
     _connections.clear()
     for connection in inherited:
-        if isinstance(connection, psycopg2.extensions.connection):
+        if _driver(connection) is not None:
             if not connection.closed:
                 devnull = os.open(os.devnull, os.O_RDWR)
                 try:
@@ -348,16 +360,21 @@ def connection_factory(deadline: float) -> t.Callable[..., DeadlineConnection]:
 _warned = False
 
 
-def quiet_server_log(dbapi_connection: t.Any, _record: t.Any) -> None:
-    """``connect`` event: keep this session's statement texts out of the server log."""
+def quiet_server_log(dbapi_connection: t.Any, record: t.Any) -> None:
+    """``connect`` event: keep this session's statement texts out of the server log (behind a
+    transaction pooler a session ``SET`` would outlive it: the claims do it for their own
+    transaction instead, see :mod:`.pooler`)."""
     global _warned
+    if pooler.behind_pooler(dbapi_connection, record):
+        return
     autocommit = dbapi_connection.autocommit
     dbapi_connection.autocommit = True
+    driver = _driver(dbapi_connection) or psycopg2
     try:
         with dbapi_connection.cursor() as cursor:
             cursor.execute(QUIET_LOG)
-    except psycopg2.Error as exc:
-        if dbapi_connection.closed or isinstance(exc, psycopg2.OperationalError):
+    except driver.Error as exc:
+        if dbapi_connection.closed or isinstance(exc, driver.OperationalError):
             # The connection broke (a backend killed while the pool opened it, a silent
             # server): the pool must not keep it, and the caller fails closed (503).
             raise

@@ -1,0 +1,55 @@
+"""The client-side deadline of :mod:`.guards` for psycopg 3 connections (``postgresql+psycopg``).
+
+psycopg 3 runs every wait for the server (statements, fetches of a server-side cursor, COPY,
+commit, rollback) through one method, :meth:`psycopg.Connection.wait`, so a connection class
+that arms the :class:`~flask_idem.store.guards.Watchdog` around it bounds them all. Imported
+only for psycopg 3 engines: psycopg 3 is not a dependency.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing as t
+
+import psycopg
+
+from .guards import WATCHDOG
+
+
+class DeadlineExceeded(psycopg.OperationalError):
+    """The server did not answer a store connection within its deadline (a disconnect)."""
+
+
+class DeadlineConnection(psycopg.Connection[t.Any]):
+    """A psycopg 3 connection whose waits for the server end after a deadline."""
+
+    #: Seconds any one operation after connecting may wait.
+    flask_idem_deadline: float
+
+    def wait(self, gen: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        if self.closed:
+            return super().wait(gen, *args, **kwargs)
+        budget = self.flask_idem_deadline
+        token = WATCHDOG.arm(self.pgconn.socket, budget)
+        try:
+            result = super().wait(gen, *args, **kwargs)
+        except BaseException as exc:
+            if WATCHDOG.disarm(token):
+                self.close()  # closed: SQLAlchemy sees a disconnect, the pool drops it
+                raise DeadlineExceeded(
+                    f"flask_idem: the database did not answer within {budget:g} s"
+                ) from exc
+            raise
+        WATCHDOG.disarm(token)
+        return result
+
+
+@functools.cache
+def connection_class(deadline: float) -> type[DeadlineConnection]:
+    """The connection class of an engine whose operations wait at most ``deadline`` seconds
+    (connecting is bounded by libpq's ``connect_timeout``)."""
+    return type(
+        f"DeadlineConnection{int(deadline * 1000)}ms",
+        (DeadlineConnection,),
+        {"flask_idem_deadline": deadline},
+    )
