@@ -130,6 +130,24 @@ def test_signatures_are_checked_before_the_claim_and_name_the_tenant(
     assert_problem(missing, 400, "idempotency-key-missing")
 
 
+@pytest.mark.parametrize("digits", [13, 400, 5000])
+def test_a_timestamp_of_many_digits_is_an_invalid_signature(
+    server: SampleServer, digits: int
+) -> None:
+    """A ``t=`` far too long for a Unix time (it overflowed a float at 400 digits and hit
+    Python's integer-string limit at 5000: a 500 with a traceback, unauthenticated) is a
+    signature refused like any other, before the claim; the MAC is right for that ``t``."""
+    event = new_event()
+    body = json.dumps(event).encode()
+    stamp = "9" * digits
+    mac = hmac.new(SECRETS["alpha"].encode(), f"{stamp}.".encode() + body, hashlib.sha256)
+    headers = {"Provider-Signature": f"t={stamp},v1={mac.hexdigest()}"}
+    reply = server.request("POST", PATH, api_key=None, raw=body, headers=headers)
+    assert_problem(reply, 401, "invalid-signature")
+    assert b"Traceback" not in reply.body
+    assert server.scalar("SELECT count(*) FROM idempotency_keys WHERE key = :k", k=event["id"]) == 0
+
+
 def test_a_refund_event_marks_the_payment_refunded_once(server: SampleServer) -> None:
     paid = server.pay(str(uuid.uuid4()), payment(new_customer())).json()
     event = new_event("charge.refunded", charge=paid["provider_charge_id"])
