@@ -159,7 +159,11 @@ def find_guard(view: t.Any, method: str) -> t.Any:
     """The ``@idem.idempotent`` guard inside a view function, or None.
 
     Looks through decorators (``__wrapped__``, or closures of decorators that did not use
-    ``functools.wraps``) and class-based views (``MethodView``: the method's function).
+    ``functools.wraps``), what a decorator's wrapper holds when it is no function (a
+    ``functools.partial``'s function and arguments, a bound method's function and object, a
+    callable object's attributes) and class-based views (``MethodView``: the method's
+    function). A guard missed here would claim before the decorators above it ran: an
+    authorization decorator among them would come too late to refuse a replay.
     """
     pending: list[t.Any] = [view]
     seen: set[int] = set()
@@ -180,7 +184,26 @@ def find_guard(view: t.Any, method: str) -> t.Any:
                 pending.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 continue
+        pending.extend(_held_callables(function))
     return None
+
+
+def _held_callables(wrapper: t.Any) -> list[t.Any]:
+    """What a wrapper that is no plain function may call: a partial's function and
+    arguments, a bound method's function and object, an object's attributes (never a
+    class's: those are every method of the class, not the one this request calls)."""
+    if isinstance(wrapper, functools.partial):
+        return [wrapper.func, *wrapper.args, *wrapper.keywords.values()]
+    if inspect.ismethod(wrapper):
+        return [wrapper.__func__, *_attributes(wrapper.__self__)]
+    if isinstance(wrapper, type) or inspect.isfunction(wrapper):
+        return []
+    return _attributes(wrapper)
+
+
+def _attributes(holder: t.Any) -> list[t.Any]:
+    attributes = getattr(holder, "__dict__", None)
+    return list(attributes.values()) if isinstance(attributes, dict) else []
 
 
 # -- enter: claim, or answer from the existing record ---------------------------------------
