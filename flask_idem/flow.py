@@ -269,6 +269,10 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     settings = app_state.settings
     # The request itself, not the proxy: this path reads a dozen of its attributes.
     req: Request = request._get_current_object()  # type: ignore[attr-defined]
+    # The whole body, as declared, within IDEMPOTENCY_MAX_REQUEST_BODY: a truncated upload is
+    # a 400 and an oversized one a 413, before any claim (never a fingerprint of half a body).
+    # Before a key= function, which parses it: never a body of any size.
+    body = read_body(req, settings.max_request_body) if options.key is not None else None
     try:
         key = _read_key(req, settings, options)
     except InvalidKey as exc:
@@ -283,9 +287,8 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     assert req.url_rule is not None
     scope = Scope(_tenant(app_state), f"{req.method} {req.url_rule.rule}", key)
     state = _start(RequestState(scope, options))
-    # The whole body, as declared, within IDEMPOTENCY_MAX_REQUEST_BODY: a truncated upload is
-    # a 400 and an oversized one a 413, before any claim (never a fingerprint of half a body).
-    body = read_body(req, settings.max_request_body)
+    if body is None:
+        body = read_body(req, settings.max_request_body)
     digest = _fingerprint(req, options, body)
     state.fingerprint = digest
     ttl = options.ttl or settings.ttl

@@ -71,7 +71,8 @@ def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
 
 def _authenticate_webhook() -> None:
     """Refuse a delivery whose signature no account's secret verifies (401); otherwise the
-    account is the tenant. Several ``v1=`` values may come during a secret rotation."""
+    account is the tenant. Several ``v1=`` values may come during a secret rotation. The
+    header is checked before the body is read, and the body is read bounded (413)."""
     fields = [part.partition("=") for part in request.headers.get(SIGNATURE_HEADER, "").split(",")]
     stamps = [value for name, _, value in fields if name.strip() == "t"]
     signatures = [value.strip() for name, _, value in fields if name.strip() == "v1"]
@@ -80,7 +81,12 @@ def _authenticate_webhook() -> None:
         raise problems.invalid_signature()
     if abs(int(time.time()) - timestamp) > SIGNATURE_TOLERANCE:
         raise problems.invalid_signature()
-    body = request.get_data(cache=True)
+    # Bounded (IDEMPOTENCY_MAX_REQUEST_BODY, 413): request.get_data() would read and hash
+    # whatever an unsigned caller sends, hundreds of MiB, before refusing it. Imported here:
+    # the extensions module imports this one.
+    from .extensions import idem
+
+    body = idem.request_body()
     for secret, account in WEBHOOK_SECRETS.items():
         expected = sign(secret, body, timestamp).rpartition("v1=")[2]
         if any(hmac.compare_digest(expected, given) for given in signatures):
