@@ -104,7 +104,7 @@ def _timestamp(value: str) -> int | None:
     raise (the integer-string limit, or an overflow when compared with ``time.time()``).
     """
     value = value.strip()
-    if not (0 < len(value) <= TIMESTAMP_DIGITS and value.isascii() and value.isdigit()):
+    if not (len(value) <= TIMESTAMP_DIGITS and value.isascii() and value.isdigit()):
         return None
     return int(value)
 

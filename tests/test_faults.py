@@ -42,7 +42,7 @@ PROMISED = guards.STATEMENT_TIMEOUT + guards.DEADLINE_GRACE
 BOUND = PROMISED + 6
 #: What a request may add to the store's promise when that is the bound under test: the
 #: hooks' own work and the scheduling of 2 shared cores, never a second database wait.
-SLACK = 0.75
+SLACK = 0.9
 #: Every key any test sent: none may appear in any log.
 SENT_KEYS: list[str] = []
 

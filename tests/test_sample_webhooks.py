@@ -136,7 +136,7 @@ def test_signatures_are_checked_before_the_claim_and_name_the_tenant(
     assert_problem(missing, 400, "idempotency-key-missing")
 
 
-@pytest.mark.parametrize("digits", [13, 400, 5000])
+@pytest.mark.parametrize("digits", [400, 5000])
 def test_a_timestamp_of_many_digits_is_an_invalid_signature(
     server: SampleServer, digits: int
 ) -> None:
