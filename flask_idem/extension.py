@@ -24,6 +24,7 @@ from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import InternalServerError
 
 from . import flow, jobs
+from .body import read_body
 from .commits import guard_commits
 from .config import Settings
 from .errors import ConfigurationError, JobRefused, StoreUnavailable
@@ -557,6 +558,20 @@ class Idempotency:
         if not has_request_context() or isinstance(getattr(state, "options", None), JobOptions):
             raise JobRefused("the job refused to run; redeliver it later", value=rv)
         raise flow.Refusal(current_app.make_response(rv))
+
+    def request_body(self) -> bytes:
+        """The current request's body, read as the claim reads it: whole, and refused past
+        ``IDEMPOTENCY_MAX_REQUEST_BODY`` before more is read.
+
+        For what must read the body before the claim, a webhook's signature check above all:
+        ``request.get_data()`` there reads whatever a caller sends, however large, before it
+        can tell a forgery apart. The claim then reuses these bytes.
+
+        :raises Problem: 413 ``request-body-too-large`` (declared or received over the
+            limit), 400 ``request-body-incomplete`` (a body cut short).
+        """
+        req = request._get_current_object()  # type: ignore[attr-defined]
+        return read_body(req, AppState.current().settings.max_request_body)
 
     def connection(self) -> sa.Connection:
         """The request's (or job's) business transaction on the store's database.

@@ -160,7 +160,11 @@ def find_guard(view: t.Any, method: str) -> t.Any:
     """The ``@idem.idempotent`` guard inside a view function, or None.
 
     Looks through decorators (``__wrapped__``, or closures of decorators that did not use
-    ``functools.wraps``) and class-based views (``MethodView``: the method's function).
+    ``functools.wraps``), what a decorator's wrapper holds when it is no function (a
+    ``functools.partial``'s function and arguments, a bound method's function and object, a
+    callable object's attributes) and class-based views (``MethodView``: the method's
+    function). A guard missed here would claim before the decorators above it ran: an
+    authorization decorator among them would come too late to refuse a replay.
     """
     pending: list[t.Any] = [view]
     seen: set[int] = set()
@@ -181,7 +185,26 @@ def find_guard(view: t.Any, method: str) -> t.Any:
                 pending.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 continue
+        pending.extend(_held_callables(function))
     return None
+
+
+def _held_callables(wrapper: t.Any) -> list[t.Any]:
+    """What a wrapper that is no plain function may call: a partial's function and
+    arguments, a bound method's function and object, an object's attributes (never a
+    class's: those are every method of the class, not the one this request calls)."""
+    if isinstance(wrapper, functools.partial):
+        return [wrapper.func, *wrapper.args, *wrapper.keywords.values()]
+    if inspect.ismethod(wrapper):
+        return [wrapper.__func__, *_attributes(wrapper.__self__)]
+    if isinstance(wrapper, type) or inspect.isfunction(wrapper):
+        return []
+    return _attributes(wrapper)
+
+
+def _attributes(holder: t.Any) -> list[t.Any]:
+    attributes = getattr(holder, "__dict__", None)
+    return list(attributes.values()) if isinstance(attributes, dict) else []
 
 
 # -- enter: claim, or answer from the existing record ---------------------------------------
@@ -247,6 +270,10 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     settings = app_state.settings
     # The request itself, not the proxy: this path reads a dozen of its attributes.
     req: Request = request._get_current_object()  # type: ignore[attr-defined]
+    # The whole body, as declared, within IDEMPOTENCY_MAX_REQUEST_BODY: a truncated upload is
+    # a 400 and an oversized one a 413, before any claim (never a fingerprint of half a body).
+    # Before a key= function, which parses it: never a body of any size.
+    body = read_body(req, settings.max_request_body) if options.key is not None else None
     try:
         key = _read_key(req, settings, options)
     except InvalidKey as exc:
@@ -261,9 +288,8 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     assert req.url_rule is not None
     scope = Scope(_tenant(app_state), f"{req.method} {req.url_rule.rule}", key)
     state = _start(RequestState(scope, options))
-    # The whole body, as declared, within IDEMPOTENCY_MAX_REQUEST_BODY: a truncated upload is
-    # a 400 and an oversized one a 413, before any claim (never a fingerprint of half a body).
-    body = read_body(req, settings.max_request_body)
+    if body is None:
+        body = read_body(req, settings.max_request_body)
     digest = _fingerprint(req, options, body)
     state.fingerprint = digest
     ttl = options.ttl or settings.ttl

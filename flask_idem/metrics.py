@@ -31,7 +31,8 @@ Gauges that describe the table (``idempotency_in_progress_records``,
 :func:`view` is scraped or ``flask idem metrics`` runs, never kept per process.
 
 Under gunicorn with several workers, set ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory
-before the workers start and call :func:`child_exit` from gunicorn's ``child_exit`` hook (see
+before the workers start, and before anything imports prometheus_client (``init_app`` refuses
+it set later), and call :func:`child_exit` from gunicorn's ``child_exit`` hook (see
 ``sample_app/gunicorn_conf.py``): :func:`view` then adds up the files of every worker.
 """
 
@@ -51,7 +52,7 @@ from .store import Store
 
 try:
     import prometheus_client as prometheus
-    from prometheus_client import multiprocess
+    from prometheus_client import multiprocess, values
     from prometheus_client.core import GaugeMetricFamily
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ConfigurationError(
@@ -175,7 +176,13 @@ def default_metrics(tenant_label: bool) -> Metrics:
 
 
 def install(app: Flask, metrics: Metrics | None, settings: Settings) -> None:
-    """Subscribe ``metrics`` (or the default ones) to every transition signal of ``app``."""
+    """Subscribe ``metrics`` (or the default ones) to every transition signal of ``app``.
+
+    :raises ConfigurationError: ``PROMETHEUS_MULTIPROC_DIR`` was set only after
+        prometheus_client was imported, so nothing would ever be counted where :func:`view`
+        reads.
+    """
+    check_multiprocess_mode()
     chosen = metrics or default_metrics(settings.metrics_tenant_label)
     for signal in (*OUTCOMES, signals.claimed, signals.taken_over, signals.settled):
 
@@ -184,6 +191,23 @@ def install(app: Flask, metrics: Metrics | None, settings: Settings) -> None:
 
         signal.connect(receive, app, weak=False)
     app.extensions["idempotency.metrics"] = chosen
+
+
+def check_multiprocess_mode() -> None:
+    """Refuse counters that would never show: prometheus_client chooses between per-process
+    values and multiprocess files once, when it is imported. Imported before
+    ``PROMETHEUS_MULTIPROC_DIR`` was set, every worker counts in its own memory while
+    :func:`view` reads the directory's files, and ``/metrics`` shows no counter at all.
+
+    :raises ConfigurationError: the directory is set but the values are per-process.
+    """
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and values.ValueClass is values.MutexValue:
+        raise ConfigurationError(
+            "PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was imported, so no "
+            "counter would reach /metrics: set it before anything imports prometheus_client "
+            "(export it before the server starts, or set it first thing in the gunicorn "
+            "config, before importing the application)"
+        )
 
 
 class TableCollector:

@@ -47,6 +47,8 @@ _REFUSED = "You may not see the idempotency operator page."
 
 #: Stuck records listed on the page.
 LIST_LIMIT = 200
+#: The longest tenant a record can hold (the column's length).
+TENANT_LENGTH = 255
 _HEADERS = {
     "Cache-Control": "no-store",
     "X-Frame-Options": "DENY",
@@ -140,6 +142,11 @@ def _lookup(state: AppState, tenants: frozenset[str] | None) -> dict[str, t.Any]
         (tenant,) = tenants
     if not tenant:
         raise _BadLookup("Choose the tenant whose key this is.")
+    if len(tenant) > TENANT_LENGTH or any(ord(char) < 32 or ord(char) == 127 for char in tenant):
+        # No record can have it (PostgreSQL refuses a NUL outright, which was a 500).
+        raise _BadLookup(
+            f"A tenant is at most {TENANT_LENGTH} characters, without control characters."
+        )
     if tenants is not None and tenant not in tenants:
         # The same answer as a key nobody used: the page never tells other tenants apart.
         return {"tenant": tenant, "key_hash": None, "records": [], "timeline": []}

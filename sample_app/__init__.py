@@ -12,7 +12,6 @@ import sqlalchemy as sa
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 
-from flask_idem import metrics
 from flask_idem.store import engine_options, normalize_url
 
 from . import jobs, problems, provider, ratelimit, reconcilers  # noqa: F401 (registers)
@@ -71,6 +70,11 @@ def create_app() -> Flask:
     provider.init_app(app, url)
     app.register_blueprint(bp)
     app.register_blueprint(webhooks_bp)
+    # Imported here, not with this package: ``-c python:sample_app.gunicorn_conf`` imports the
+    # package before the config sets PROMETHEUS_MULTIPROC_DIR, and prometheus_client picks
+    # per-process or multiprocess counters once, when it is first imported.
+    from flask_idem import metrics
+
     app.add_url_rule("/metrics", "metrics", metrics.view)
     app.cli.add_command(init_db_command)
     return app

@@ -26,6 +26,8 @@ WEBHOOK_SECRETS = {"whsec_alpha": "alpha", "whsec_beta": "beta"}
 SIGNATURE_HEADER = "Provider-Signature"
 #: Deliveries signed longer ago than this are refused (replayed captures of old requests).
 SIGNATURE_TOLERANCE = 300
+#: More digits than any Unix time of the next centuries has: such a ``t=`` is refused unread.
+TIMESTAMP_DIGITS = 12
 #: The endpoint that authenticates by signature instead of an API key.
 WEBHOOK_ENDPOINT = "webhooks.provider_event"
 #: Operators' session tokens (a cookie) -> the tenants whose records they may see (True: all).
@@ -69,20 +71,22 @@ def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
 
 def _authenticate_webhook() -> None:
     """Refuse a delivery whose signature no account's secret verifies (401); otherwise the
-    account is the tenant. Several ``v1=`` values may come during a secret rotation."""
+    account is the tenant. Several ``v1=`` values may come during a secret rotation. The
+    header is checked before the body is read, and the body is read bounded (413)."""
     fields = [part.partition("=") for part in request.headers.get(SIGNATURE_HEADER, "").split(",")]
     stamps = [value for name, _, value in fields if name.strip() == "t"]
     signatures = [value.strip() for name, _, value in fields if name.strip() == "v1"]
-    if (
-        len(stamps) != 1
-        or not (stamps[0].strip().isascii() and stamps[0].strip().isdigit())
-        or not signatures
-    ):
+    timestamp = _timestamp(stamps[0]) if len(stamps) == 1 else None
+    if timestamp is None or not signatures:
         raise problems.invalid_signature()
-    timestamp = int(stamps[0])
-    if abs(time.time() - timestamp) > SIGNATURE_TOLERANCE:
+    if abs(int(time.time()) - timestamp) > SIGNATURE_TOLERANCE:
         raise problems.invalid_signature()
-    body = request.get_data(cache=True)
+    # Bounded (IDEMPOTENCY_MAX_REQUEST_BODY, 413): request.get_data() would read and hash
+    # whatever an unsigned caller sends, hundreds of MiB, before refusing it. Imported here:
+    # the extensions module imports this one.
+    from .extensions import idem
+
+    body = idem.request_body()
     for secret, account in WEBHOOK_SECRETS.items():
         expected = sign(secret, body, timestamp).rpartition("v1=")[2]
         if any(hmac.compare_digest(expected, given) for given in signatures):
@@ -91,6 +95,18 @@ def _authenticate_webhook() -> None:
             g.api_key_id = hashlib.sha256(f"webhook {account}".encode()).hexdigest()[:16]
             return
     raise problems.invalid_signature()
+
+
+def _timestamp(value: str) -> int | None:
+    """The signature's Unix time, or None when ``value`` is not one.
+
+    Bounded in length before ``int()``: a timestamp of thousands of digits would otherwise
+    raise (the integer-string limit, or an overflow when compared with ``time.time()``).
+    """
+    value = value.strip()
+    if not (len(value) <= TIMESTAMP_DIGITS and value.isascii() and value.isdigit()):
+        return None
+    return int(value)
 
 
 def _authenticate_operator_endpoint() -> None:

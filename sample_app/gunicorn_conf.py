@@ -5,7 +5,8 @@
 Each worker is its own process with its own counters, so a scrape answered by one worker would
 see a quarter of the truth. prometheus_client's multiprocess mode keeps every worker's values
 in files under ``PROMETHEUS_MULTIPROC_DIR``; ``/metrics`` adds them up. The directory must be
-set before any worker imports prometheus_client (here: in the master, when this file loads),
+set before anything imports prometheus_client (here: in the master, when this file loads; the
+``sample_app`` package gunicorn imports first does not import it),
 must hold no values of an earlier run when the server starts (``on_starting``), and a dead
 worker must be marked as such (``child_exit``) so its live gauges go; its counters stay, so
 totals never go down when gunicorn replaces a worker.

@@ -8,6 +8,12 @@ worker would grant the full limit. :class:`SQLStorage` keeps fixed-window counte
 The limit is an *application* limit restricted to POST: Flask-Limiter checks those in its
 ``before_request`` hook, which runs before the idempotency claim, whereas ``@limiter.limit``
 decorators are checked inside the view, after the claim.
+
+The counters live in the database the claim needs. When PostgreSQL does not answer them at all
+(frozen, gone), the request is answered 503 ``store-unavailable`` at once, as the claim would
+have answered it: going on to the claim would add the claim's own wait (the store's 5 s) to
+the counters', past the bound the store promises. An error the server did answer (a lock or
+statement timeout on a busy counter) lets the request go on unlimited, as does the breaker.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ import time
 import typing as t
 
 import sqlalchemy as sa
-from flask import Flask, Response
+from flask import Flask, Response, g, has_request_context
 from flask_limiter import ApplicationLimit, Limiter, RequestLimit
 from limits.storage import Storage
 
+from flask_idem.problem import StoreUnavailableProblem
 from flask_idem.store import create_engine
 
 from . import problems
@@ -56,14 +63,26 @@ class SQLStorage(Storage):
 
     @contextlib.contextmanager
     def _guarded(self) -> t.Iterator[None]:
-        """After a failure, skip the database for a few seconds (requests go unlimited)."""
+        """After a failure, skip the database for a few seconds (requests go unlimited); a
+        server that did not answer also refuses the current request (:func:`refuse_unanswered`)."""
         if time.monotonic() < self._skip_until:
             raise sa.exc.DisconnectionError("rate-limit counters skipped after a failure")
         try:
             yield
-        except sa.exc.SQLAlchemyError:
+        except sa.exc.SQLAlchemyError as exc:
             self._skip_until = time.monotonic() + BREAKER_SECONDS
+            if has_request_context() and self._unanswered(exc):
+                g.database_unanswered = True
             raise
+
+    def _unanswered(self, exc: sa.exc.SQLAlchemyError) -> bool:
+        """PostgreSQL never answered: no connection, or one the client-side deadline cut
+        (a server error carries its SQLSTATE). SQLite is a local file: a lock is no outage."""
+        return (
+            self.engine.dialect.name == "postgresql"
+            and isinstance(exc, sa.exc.DBAPIError)
+            and (exc.connection_invalidated or getattr(exc.orig, "pgcode", None) is None)
+        )
 
     @property
     def base_exceptions(self) -> type[Exception] | tuple[type[Exception], ...]:
@@ -121,6 +140,17 @@ def _too_many_requests(limit: RequestLimit) -> Response:
     return t.cast(Response, problems.rate_limited(retry_after).get_response())
 
 
+def refuse_unanswered() -> Response | None:
+    """``before_request`` hook after the limiter's: 503 when its counters found the database
+    silent, before the claim waits for it again."""
+    if not g.get("database_unanswered"):
+        return None
+    return StoreUnavailableProblem(
+        "The database cannot be reached; the request was not run. Retry later with the same "
+        "idempotency key."
+    ).get_response()
+
+
 def init_app(app: Flask, url: str) -> None:
     """Limit POST requests per API key to ``SAMPLE_RATE_LIMIT``, shared across workers.
 
@@ -141,3 +171,4 @@ def init_app(app: Flask, url: str) -> None:
         swallow_errors=True,
     )
     limiter.init_app(app)
+    app.before_request(refuse_unanswered)

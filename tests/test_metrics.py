@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flask_idem import Idempotency, Scope
+from flask_idem import ConfigurationError, Idempotency, Scope
 from flask_idem.metrics import Metrics, TableCollector
 from flask_idem.store import SQLStore
 
@@ -190,3 +190,14 @@ def test_the_metrics_command_prints_the_gauges(store: SQLStore) -> None:
     result = app.test_cli_runner().invoke(args=["idem", "metrics"])
     assert result.exit_code == 0, result.output
     assert "idempotency_unknown_records 0.0" in result.output
+
+
+def test_a_directory_set_after_prometheus_client_was_imported_fails_in_init_app(
+    store: SQLStore, monkeypatch: pytest.MonkeyPatch, tmp_path: t.Any
+) -> None:
+    """This process imported prometheus_client without ``PROMETHEUS_MULTIPROC_DIR``: its
+    values are per-process, and ``/metrics`` would read a directory nobody writes to (no
+    counter at all, silently). ``init_app`` says so instead."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    with pytest.raises(ConfigurationError, match="set after prometheus_client was imported"):
+        _app(store, CollectorRegistry())

@@ -187,3 +187,23 @@ def test_anything_else_is_a_logged_configuration_error_and_a_500(
     assert answer.json is not None and answer.json["type"].endswith("/internal-error")
     assert key_hash(scope) not in answer.get_data(as_text=True), "nothing of any tenant"
     assert f"the operator_access callable returned {named}: return None or False" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("tenant", "says"),
+    [
+        ("al\x00pha", "without control characters"),
+        ("alpha\x1b[2J", "without control characters"),
+        ("a" * 256, "at most 255 characters"),
+    ],
+)
+def test_a_lookup_no_record_can_match_is_a_400_that_says_why(
+    store: SQLStore, tenant: str, says: str
+) -> None:
+    """A NUL in the tenant field reached PostgreSQL, which refuses it: a 500. A tenant no
+    record can hold is the form's error, answered 400 on the page, on both dialects (the key
+    field was checked already: outside the key alphabet, 400)."""
+    answer = _page_with(store, True).test_client().post(PAGE, data={"tenant": tenant, "key": "k"})
+    assert answer.status_code == 400
+    assert says in answer.get_data(as_text=True)
+    assert answer.headers["Cache-Control"] == "no-store"

@@ -106,6 +106,29 @@ def test_counts_add_up_across_four_workers(
         assert any(directory.iterdir()), "multiprocess mode: values live in files"
 
 
+def test_the_documented_command_counts_without_a_directory_named_beforehand(
+    fresh_pg_database: t.Callable[[], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``gunicorn -c python:sample_app.gunicorn_conf`` with no ``PROMETHEUS_MULTIPROC_DIR`` in
+    the environment: the config makes the directory, but loading it imports the sample app's
+    package first, and that imported prometheus_client before the directory was set, so every
+    worker counted in its own memory and ``/metrics`` showed no request counter at all."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with served(
+        fresh_pg_database(), tmp_path, workers=3, args=["-c", "python:sample_app.gunicorn_conf"]
+    ) as server:
+        _send(server, new=6, replays=3, mismatches=2, crashes=1)
+        expected = {
+            ("executed", "201"): 6,
+            ("replayed", "201"): 3,
+            ("mismatch", "422"): 2,
+            ("released", ""): 1,
+        }
+        for found in [_scrape(server) for _ in range(6)]:
+            assert {key: value for key, value in found.items() if key in expected} == expected
+            assert found[("claim_count", ENDPOINT)] == sum(expected.values())
+
+
 def _load_config(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, directory: Path | None
 ) -> types.ModuleType:

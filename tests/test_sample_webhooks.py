@@ -5,14 +5,20 @@ the receiver records it once. Signatures are computed here, as the provider woul
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import email.parser
+import email.policy
 import hashlib
 import hmac
 import json
 import os
 import signal
+import socket
+import threading
 import time
 import typing as t
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -128,6 +134,89 @@ def test_signatures_are_checked_before_the_claim_and_name_the_tenant(
     assert sorted(row.tenant for row in received(server, event)) == ["alpha", "beta"]
     missing = deliver(server, {"type": "charge.refunded"})
     assert_problem(missing, 400, "idempotency-key-missing")
+
+
+@pytest.mark.parametrize("digits", [400, 5000])
+def test_a_timestamp_of_many_digits_is_an_invalid_signature(
+    server: SampleServer, digits: int
+) -> None:
+    """A ``t=`` far too long for a Unix time (it overflowed a float at 400 digits and hit
+    Python's integer-string limit at 5000: a 500 with a traceback, unauthenticated) is a
+    signature refused like any other, before the claim; the MAC is right for that ``t``."""
+    event = new_event()
+    body = json.dumps(event).encode()
+    stamp = "9" * digits
+    mac = hmac.new(SECRETS["alpha"].encode(), f"{stamp}.".encode() + body, hashlib.sha256)
+    headers = {"Provider-Signature": f"t={stamp},v1={mac.hexdigest()}"}
+    reply = server.request("POST", PATH, api_key=None, raw=body, headers=headers)
+    assert_problem(reply, 401, "invalid-signature")
+    assert b"Traceback" not in reply.body
+    assert server.scalar("SELECT count(*) FROM idempotency_keys WHERE key = :k", k=event["id"]) == 0
+
+
+UPLOAD_MIB = 400
+
+
+def _peak_rss(pids: t.Iterable[int]) -> dict[int, int]:
+    """Each process's peak resident set so far (``VmHWM``, KiB)."""
+    peaks = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks[pid] = int(line.split()[1])
+    return peaks
+
+
+def _upload(server: SampleServer, headers: dict[str, str], mib: int, chunked: bool) -> Reply:
+    """POST ``mib`` MiB to the webhook on a raw socket, reading the answer while sending: a
+    server that refuses early closes the connection before the body has all gone."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    framing = {"Transfer-Encoding": "chunked"} if chunked else {"Content-Length": str(mib << 20)}
+    head = [f"POST {PATH} HTTP/1.1", "Host: 127.0.0.1", "Connection: close"]
+    head += [f"{name}: {value}" for name, value in {**headers, **framing}.items()]
+    received = bytearray()
+
+    def read() -> None:
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                received.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    piece = b"x" * (1 << 20)
+    if chunked:
+        piece = b"%x\r\n%s\r\n" % (len(piece), piece)
+    try:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        for _ in range(mib):
+            sock.sendall(piece)
+        if chunked:
+            sock.sendall(b"0\r\n\r\n")
+    except OSError:  # the server answered and closed: the rest was never wanted
+        pass
+    reader.join(60)
+    sock.close()
+    status_line, _, rest = bytes(received).partition(b"\r\n")
+    header_block, _, body = rest.partition(b"\r\n\r\n")
+    message = email.parser.BytesHeaderParser(policy=email.policy.compat32).parsebytes(header_block)
+    return Reply(int(status_line.split()[1]), t.cast(t.Any, message), body)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_huge_unverified_delivery_is_refused_before_it_is_read(
+    server: SampleServer, chunked: bool
+) -> None:
+    """400 MiB behind a fresh timestamp and a wrong MAC: the signature check read and hashed
+    all of it before refusing it (a worker grew by the upload's size, twice over). The body is
+    read bounded by ``IDEMPOTENCY_MAX_REQUEST_BODY`` (1 MiB): 413, and the worker stays small."""
+    headers = {"Provider-Signature": f"t={int(time.time())},v1={'0' * 64}"}
+    before = _peak_rss(server.workers())
+    reply = _upload(server, headers, UPLOAD_MIB, chunked)
+    after = _peak_rss(server.workers())
+    grown = {pid: (after[pid] - before[pid]) >> 10 for pid in before.keys() & after.keys()}
+    assert grown and max(grown.values()) < 64, f"MiB of peak RSS gained per worker: {grown}"
+    assert_problem(reply, 413, "request-body-too-large")
 
 
 def test_a_refund_event_marks_the_payment_refunded_once(server: SampleServer) -> None:

@@ -5,6 +5,7 @@ a missing or invalid id is a 400 before any claim; a signature check before the 
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import threading
 import typing as t
 
@@ -136,6 +137,65 @@ def test_concurrent_deliveries_of_one_event_are_one_effect(
         statuses = list(pool.map(deliver, range(6)))
     assert statuses == [200] * 6, statuses
     assert counter.calls == 1 and _effects(store, business) == 1
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "streamed"])
+def test_a_body_over_the_limit_is_413_before_the_key_function_reads_it(
+    app_factory: Factory, store: SQLStore, declared: bool
+) -> None:
+    """The key function parses the body (JSON): over ``IDEMPOTENCY_MAX_REQUEST_BODY`` it must
+    never see it, whether the size is declared or only found by reading."""
+    app, idem, _ = app_factory(IDEMPOTENCY_MAX_REQUEST_BODY=1024)
+    parsed: list[int] = []
+
+    def event_id(request: t.Any) -> t.Any:
+        parsed.append(len(request.get_data()))
+        return request.get_json()["id"]
+
+    @app.post("/webhooks")
+    @idem.idempotent(key=event_id)
+    def receive() -> t.Any:
+        return {"received": True}
+
+    body = b'{"id": "evt_big", "padding": "' + b"x" * 4096 + b'"}'
+    environ = {} if declared else {"wsgi.input_terminated": True}
+    answer = app.test_client().post(
+        "/webhooks",
+        input_stream=io.BytesIO(body),
+        content_length=len(body) if declared else None,
+        content_type="application/json",
+        environ_overrides=environ,
+    )
+    assert answer.status_code == 413 and _problem(answer) == "request-body-too-large"
+    assert parsed == [], "the key function never ran on it"
+    assert store.get(Scope("alpha", "POST /webhooks", "evt_big")) is None
+
+
+def test_a_signature_hook_reads_the_body_bounded_as_the_claim_does(
+    app_factory: Factory, store: SQLStore
+) -> None:
+    """``idem.request_body()`` in a ``before_request`` hook: 413 past the limit before the
+    hook can hash anything; within it, the bytes the claim and the view then see."""
+    app, idem, counter = app_factory(IDEMPOTENCY_MAX_REQUEST_BODY=1024)
+    hashed: list[bytes] = []
+
+    @app.before_request
+    def verify_signature() -> None:
+        hashed.append(idem.request_body())
+
+    @app.post("/webhooks")
+    @idem.idempotent(key=_event_id)
+    def receive() -> t.Any:
+        counter.bump()
+        return {"received": flask.request.get_json()["id"]}
+
+    client = app.test_client()
+    too_large = client.post("/webhooks", json={"id": "evt_big", "padding": "x" * 2048})
+    assert too_large.status_code == 413 and _problem(too_large) == "request-body-too-large"
+    assert hashed == [] and counter.calls == 0
+    assert store.get(Scope("alpha", "POST /webhooks", "evt_big")) is None
+    assert client.post("/webhooks", json={"id": "evt_small"}).json == {"received": "evt_small"}
+    assert hashed == [b'{"id": "evt_small"}'] and counter.calls == 1
 
 
 def test_a_key_function_needs_a_callable_and_cannot_be_optional(app_factory: Factory) -> None:
