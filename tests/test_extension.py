@@ -54,7 +54,7 @@ def test_database_url_config_builds_the_store(db_url: str) -> None:
         ("IDEMPOTENCY_KEY_REQUIRED", "maybe", "true or false"),
         ("IDEMPOTENCY_WAIT", -1, "IDEMPOTENCY_WAIT must be at least"),
         ("IDEMPOTENCY_ENGINE", "sqlite://", "Engine"),
-        # Issue 11, item 7: non-finite or huge values never reach the database's intervals.
+        # Non-finite or huge values never reach the database's intervals.
         ("IDEMPOTENCY_TTL", "nan", "IDEMPOTENCY_TTL must be a finite number"),
         ("IDEMPOTENCY_TTL", float("nan"), "IDEMPOTENCY_TTL must be a finite number"),
         ("IDEMPOTENCY_TTL", "inf", "IDEMPOTENCY_TTL must be a finite number"),

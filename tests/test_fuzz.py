@@ -233,7 +233,7 @@ def test_the_sample_app_never_answers_5xx_nor_claims_refused_input(
 
 
 def test_the_reported_inputs_of_the_attack(sample_app: flask.Flask) -> None:
-    """Issue 11, item 5: a NUL in a path id and JSON nested 1,000 deep are 4xx, not 500."""
+    """A NUL in a path id and JSON nested 1,000 deep are 4xx, not 500."""
     client = sample_app.test_client()
     auth = {"Authorization": "Bearer sk_test_alpha"}
     assert client.get("/v1/payments/%00", headers=auth).status_code == 404

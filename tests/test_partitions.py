@@ -127,7 +127,7 @@ def test_maintain_creates_partitions_ahead(pg_store: SQLStore) -> None:
 def test_maintain_leaves_rows_in_default_and_their_owner_keeps_its_claim(
     pg_store: SQLStore, scope: Scope
 ) -> None:
-    """Issue 11, item 6: upkeep catching up never moves a live record from under its owner."""
+    """Upkeep catching up never moves a live record from under its owner."""
     claim = pg_store.claim(scope, FP, ttl=60 * 86400, lease=30)
     _move_to_day(pg_store, scope, 20)
     assert _partition_of(pg_store, scope) == "idempotency_keys_default"
@@ -250,7 +250,7 @@ def _scans_per_partition(conn: sa.Connection) -> dict[str, int]:
 def test_a_claim_probes_no_partition_starting_a_day_or_more_ahead(
     pg_store: SQLStore, claim: str
 ) -> None:
-    """Issue 12, item 2: the lookup skips the partitions kept ready ahead (0006), and still
+    """The lookup skips the partitions kept ready ahead (0006), and still
     probes the past, today, tomorrow and DEFAULT, where a record of the scope can be."""
     with pg_store.engine.begin() as conn:
         before = _scans_per_partition(conn)
