@@ -29,6 +29,7 @@ from alembic.util import CommandError
 from .errors import UPGRADE_HINT, StoreUnavailable
 from .migrate import alembic_config
 from .store import PostgresStore, Store
+from .store.pooler import SENT, STARTUP_MARKER
 from .store.sql import translate_errors
 from .table import VERSION_TABLE
 
@@ -37,6 +38,8 @@ POSTGRESQL_MINIMUM = (13,)
 #: Where the settings of a store session come from, for the advice that goes with them.
 _SESSION_DOCS = "flask_idem.store.create_engine or engine_options (docs/timeouts.md)"
 _LOG_GRANT = "GRANT SET ON PARAMETER log_min_error_statement, ... TO the role (docs/timeouts.md)"
+#: Behind a transaction pooler the start-up settings never reach a server: only the role's do.
+_ROLE_DOCS = "ALTER ROLE ... SET, as the pooler drops start-up settings (docs/operations.md)"
 # In a transaction: the isolation of business transactions (an engine's isolation_level) as
 # well as the default that autocommitted claims run at.
 _SESSION = sa.text(
@@ -44,7 +47,8 @@ _SESSION = sa.text(
     "current_setting('lock_timeout') AS lock_timeout, "
     "current_setting('default_transaction_isolation') AS default_isolation, "
     "current_setting('transaction_isolation') AS isolation, "
-    "current_setting('log_min_error_statement') AS log_min_error_statement"
+    "current_setting('log_min_error_statement') AS log_min_error_statement, "
+    f"current_setting('{STARTUP_MARKER}', true) AS startup_marker"
 )
 
 
@@ -169,11 +173,14 @@ def _partitions(store: PostgresStore, wanted: int) -> Finding:
 
 def _session(connection: sa.Connection) -> list[Finding]:
     settings = connection.execute(_SESSION).one()._mapping
+    # An engine that sent flask_idem's start-up settings, on a session that lacks them: a pooler.
+    pooled = connection.info.get(SENT) is not None and settings["startup_marker"] != "on"
     findings = []
     for name in ("statement_timeout", "lock_timeout"):
         value = settings[name]
         if value == "0":
-            detail = f"0, no bound: a blocked store statement holds its worker; see {_SESSION_DOCS}"
+            advice = _ROLE_DOCS if pooled else _SESSION_DOCS
+            detail = f"0, no bound: a blocked store statement holds its worker; see {advice}"
             findings.append(Finding(name, Status.WARNING, detail))
         else:
             findings.append(Finding(name, Status.OK, value))
@@ -192,7 +199,7 @@ def _session(connection: sa.Connection) -> list[Finding]:
     else:
         detail = (
             f"{level}: the server logs failing statements with their raw keys and bodies; "
-            f"{_LOG_GRANT}"
+            f"{_ROLE_DOCS if pooled else _LOG_GRANT}"
         )
         findings.append(Finding("log_min_error_statement", Status.WARNING, detail))
     return findings

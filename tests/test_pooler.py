@@ -23,7 +23,7 @@ import psycopg2
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Scope
+from flask_idem import Scope, check
 from flask_idem.errors import StoreUnavailable
 from flask_idem.migrate import upgrade
 from flask_idem.store import create_store, guards
@@ -168,6 +168,17 @@ def test_an_atomic_claim_bounds_its_business_transaction_behind_the_pooler(
             connection.exec_driver_sql("SELECT pg_sleep(30)")
         # The server's own bound, not the client-side deadline one second later.
         assert time.monotonic() - started < guards.STATEMENT_TIMEOUT + guards.DEADLINE_GRACE
+
+
+def test_the_check_sends_an_operator_behind_the_pooler_to_the_role(pooled_store: t.Any) -> None:
+    """Start-up settings and GRANT SET cannot reach a pooled session: only ALTER ROLE can, and
+    the check's advice says so (the cluster's role has none of them)."""
+    findings = {finding.check: finding for finding in check.run(pooled_store, partitions_ahead=0)}
+    for name in ("statement_timeout", "lock_timeout", "log_min_error_statement"):
+        assert findings[name].status is check.Status.WARNING
+        assert "ALTER ROLE" in findings[name].detail, findings[name].detail
+        assert "engine_options" not in findings[name].detail
+        assert "GRANT SET" not in findings[name].detail
 
 
 def test_a_durable_claim_waits_for_a_held_scope_lock_no_longer_than_the_bound(
