@@ -41,7 +41,10 @@ class PythonParser(PythonCodeBlockParser):
         self._python = PythonEvaluator()
 
     def _evaluate(self, example: t.Any) -> None:
-        example.namespace["page"].blocks.append(str(example.parsed))
+        page = example.namespace["page"]
+        if page.skipped is not None:
+            pytest.skip(page.skipped)
+        page.blocks.append(str(example.parsed))
         self._python(example)
 
 
@@ -67,6 +70,8 @@ class Page:
         self.blocks: list[str] = []
         self._saved = (os.getcwd(), dict(os.environ), _loggers())
         self._undo = contextlib.ExitStack()
+        #: Why the rest of the page skips (a service it needs is missing), once it does.
+        self.skipped: str | None = None
 
     def patch(self, target: object, name: str, value: object) -> None:
         """Set ``target.name`` (a fake transport, say) until the page ends."""
@@ -103,6 +108,24 @@ class Page:
             self._undo.callback(sys.path.remove, str(self.directory))
         self._undo.callback(sys.modules.pop, name, None)
         return path
+
+    def redis(self) -> str:
+        """The URL of a throwaway Redis server (``tests/redis_server.py``) until the page ends.
+
+        Without one (no ``redis-server``, not root) the rest of the page skips, or fails under
+        ``FLASK_IDEM_REQUIRE_REDIS=1`` (CI)."""
+        from tests import redis_server
+
+        server = redis_server.RedisServer()
+        try:
+            server.start()
+        except redis_server.RedisUnavailable as exc:
+            if redis_server.required():
+                raise
+            self.skipped = f"{redis_server.DID_NOT_RUN}: {exc}"
+            pytest.skip(self.skipped)
+        self._undo.callback(server.stop)
+        return server.url
 
     def enter(self, context: t.ContextManager[T]) -> T:
         """Enter ``context`` (a ready store, say) until the page ends."""
