@@ -42,8 +42,7 @@ class PythonParser(PythonCodeBlockParser):
 
     def _evaluate(self, example: t.Any) -> None:
         page = example.namespace["page"]
-        if page.skipped is not None:
-            pytest.skip(page.skipped)
+        page.stop_if_missing()
         page.blocks.append(str(example.parsed))
         self._python(example)
 
@@ -70,8 +69,10 @@ class Page:
         self.blocks: list[str] = []
         self._saved = (os.getcwd(), dict(os.environ), _loggers())
         self._undo = contextlib.ExitStack()
-        #: Why the rest of the page skips (a service it needs is missing), once it does.
-        self.skipped: str | None = None
+        #: Why the rest of the page cannot run (a service it needs is missing), once so.
+        self.missing: str | None = None
+        #: Whether that fails the page's remaining blocks instead of skipping them (CI).
+        self.missing_fails = False
 
     def patch(self, target: object, name: str, value: object) -> None:
         """Set ``target.name`` (a fake transport, say) until the page ends."""
@@ -120,12 +121,19 @@ class Page:
         try:
             server.start()
         except redis_server.RedisUnavailable as exc:
-            if redis_server.required():
-                raise
-            self.skipped = f"{redis_server.DID_NOT_RUN}: {exc}"
-            pytest.skip(self.skipped)
+            self.missing = f"{redis_server.DID_NOT_RUN}: {exc}"
+            self.missing_fails = redis_server.required()
+            self.stop_if_missing()
         self._undo.callback(server.stop)
         return server.url
+
+    def stop_if_missing(self) -> None:
+        """Skip (or, in CI, fail) the running block when the page lacks a service it needs."""
+        if self.missing is None:
+            return
+        if self.missing_fails:
+            pytest.fail(self.missing, pytrace=False)
+        pytest.skip(self.missing)
 
     def enter(self, context: t.ContextManager[T]) -> T:
         """Enter ``context`` (a ready store, say) until the page ends."""

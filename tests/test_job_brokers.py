@@ -13,6 +13,7 @@ so the kill always lands after the job claimed its key and charged, before it co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,7 +78,8 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """SIGKILL to the worker and every process it started: no cleanup, no ack."""
-        os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # all of them exited already
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
     def stop(self) -> None:
