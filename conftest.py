@@ -115,12 +115,12 @@ class Page:
 
         Without one (no ``redis-server``, not root) the rest of the page skips, or fails under
         ``FLASK_IDEM_REQUIRE_REDIS=1`` (CI)."""
-        from tests import redis_server
+        from tests import debian, redis_server
 
         server = redis_server.RedisServer()
         try:
             server.start()
-        except redis_server.RedisUnavailable as exc:
+        except debian.NotInstallable as exc:
             self.missing = f"{redis_server.DID_NOT_RUN}: {exc}"
             self.missing_fails = redis_server.required()
             self.stop_if_missing()

@@ -18,7 +18,7 @@ from flask_idem.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import age_record, empty_store
 
-from . import citus_cluster, fsa_app, pgcluster, redis_server
+from . import citus_cluster, debian, fsa_app, pgcluster, redis_server
 
 DIALECTS = ("postgresql", "sqlite")
 
@@ -73,7 +73,7 @@ def redis_url() -> t.Iterator[str]:
     server = redis_server.RedisServer()
     try:
         server.start()
-    except redis_server.RedisUnavailable as exc:
+    except debian.NotInstallable as exc:
         message = f"{redis_server.DID_NOT_RUN}: {exc}"
         if redis_server.required():
             pytest.fail(f"{message} ({redis_server.REQUIRE_VARIABLE} is set)", pytrace=False)

@@ -19,16 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import pgcluster
+from . import debian, pgcluster
 
 BINARY_CANDIDATES = ("redis-server", "/usr/bin/redis-server", "/usr/sbin/redis-server")
 REQUIRE_VARIABLE = "FLASK_IDEM_REQUIRE_REDIS"
 #: How a skip begins.
 DID_NOT_RUN = "Broker tests did not run"
-
-
-class RedisUnavailable(RuntimeError):
-    """redis-server is missing and cannot be installed here."""
 
 
 def required() -> bool:
@@ -47,24 +43,15 @@ def binary() -> str | None:
 def ensure_binary() -> str:
     """``redis-server``, installed from the distribution when missing.
 
-    :raises RedisUnavailable: it is missing and cannot be installed (says why).
+    :raises debian.NotInstallable: it is missing and cannot be installed (says why).
     """
     found = binary()
     if found is not None:
         return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise RedisUnavailable("no redis-server (as root: apt-get install -y redis-server)")
-    environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (
-        ["apt-get", "update"],
-        ["apt-get", "install", "-y", "--no-install-recommends", "redis-server"],
-    ):
-        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RedisUnavailable(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    debian.apt_install("redis-server")
     found = binary()
     if found is None:
-        raise RedisUnavailable("redis-server still missing after apt-get install")
+        raise debian.NotInstallable("redis-server still missing after apt-get install")
     return found
 
 

@@ -172,7 +172,8 @@ def _environment(database: str, workdir: Path, **extra: str) -> dict[str, str]:
 
 def _celery_settings(redis_url: str) -> dict[str, t.Any]:
     """The documented settings, with this test's broker and a visibility timeout of seconds
-    (restored every second rather than every 100 s, the default sweep)."""
+    (restored every second rather than every 100 s, the default sweep; and a killed worker's
+    restore lock, held a moment every second, lasting 2 s rather than 300 s)."""
     return {
         "broker_url": redis_url,
         "task_serializer": "json",
@@ -183,6 +184,7 @@ def _celery_settings(redis_url: str) -> dict[str, t.Any]:
             "visibility_timeout": VISIBILITY_TIMEOUT,
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": 2,
         },
     }
 
