@@ -2,10 +2,11 @@
 tests: the Celery and RQ recipes of docs/jobs.md run against it.
 
 It listens on a free loopback port, keeps no data on disk (no RDB snapshot, no AOF) and lives
-in a directory of its own. When ``redis-server`` is missing and the session runs as root (CI,
-containers), ``apt-get install -y redis-server`` installs it, as :mod:`tests.pgbouncer` does
-with PgBouncer. When that cannot be done the broker tests skip with one line saying why, or
-fail under ``FLASK_IDEM_REQUIRE_REDIS=1`` (``.ci/run``), where a skip would hide a regression.
+in a directory of its own under the worktree's ``.pg/``. When ``redis-server`` is missing and
+the session runs as root (CI, containers), ``apt-get install -y redis-server`` installs it, as
+:mod:`tests.pgbouncer` does with PgBouncer. When that cannot be done the broker tests skip with
+one line saying why, or fail under ``FLASK_IDEM_REQUIRE_REDIS=1`` (``.ci/run``), where a skip
+would hide a regression.
 """
 
 from __future__ import annotations
@@ -55,13 +56,17 @@ def ensure_binary() -> str:
     return found
 
 
+def _new_directory() -> Path:
+    """A directory of its own under the worktree's ``.pg/`` (gitignored, ``make clean``)."""
+    pgcluster.PG_DIR.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="redis-", dir=pgcluster.PG_DIR))
+
+
 @dataclasses.dataclass
 class RedisServer:
     """One ``redis-server`` process on a free loopback port."""
 
-    directory: Path = dataclasses.field(
-        default_factory=lambda: Path(tempfile.mkdtemp(prefix="flask-idem-redis-"))
-    )
+    directory: Path = dataclasses.field(default_factory=_new_directory)
     port: int = 0
     process: subprocess.Popen[bytes] | None = None
 

@@ -190,13 +190,15 @@ def _celery_settings(redis_url: str) -> dict[str, t.Any]:
 
 
 def _celery_worker(
-    database: str, workdir: Path, redis_url: str, pool: str, name: str
+    database: str, workdir: Path, redis_url: str, pool: str, name: str, **environment: str
 ) -> WorkerProcess:
     settings = json.dumps(_celery_settings(redis_url))
     command = [sys.executable, "-m", "celery", "-A", "tasks:celery", "worker", "--pool", pool]
     command += ["--concurrency", "1", "--without-gossip", "--without-mingle"]
     command += ["--without-heartbeat", "--loglevel", "INFO", "--hostname", f"{name}@%h"]
-    return WorkerProcess(command, workdir, _environment(database, workdir, FLASK_CELERY=settings))
+    return WorkerProcess(
+        command, workdir, _environment(database, workdir, FLASK_CELERY=settings, **environment)
+    )
 
 
 @pytest.fixture
@@ -294,6 +296,45 @@ def test_celery_pool_process_killed_mid_task_is_requeued_and_charges_once(
         worker.stop()
     assert "WorkerLostError" in worker.log.read_text(), "the pool process was lost"
     assert ledger.charges(message[5]) == charge and ledger.payments(message[5]) == 1
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_celery_task_outliving_the_visibility_timeout_runs_once(
+    database: str,
+    ledger: Ledger,
+    broker: redis.Redis,
+    redis_url: str,
+    celery_project: Path,
+    producer: Celery,
+) -> None:
+    """A task still running when the visibility timeout passes is delivered to a second
+    worker while the first works on: that one gets ``JobInProgress`` and retries
+    (``autoretry_for``) until the first run has completed, then gets its result."""
+    message = _message("slow")
+    slow = str(int((VISIBILITY_TIMEOUT + 2) * 1000))  # the charge outlives the timeout
+    workers = [
+        _celery_worker(
+            database, celery_project, redis_url, "solo", name, SAMPLE_PROVIDER_LATENCY_MS=slow
+        )
+        for name in ("one", "two")
+    ]
+    try:
+        _wait_for(  # the workers share one log
+            lambda: workers[0].log.read_text().count(" ready.") == len(workers),
+            "both workers ready",
+            workers[0],
+        )
+        producer.send_task("renew-subscription", args=message)
+        _wait_for(
+            lambda: ledger.payments(message[5]) == 1 and _celery_idle(broker),
+            "every delivery acknowledged",
+            workers[0],
+        )
+    finally:
+        for worker in workers:
+            worker.stop()
+    assert "JobInProgress" in workers[0].log.read_text(), "delivered again while it ran"
+    assert len(ledger.charges(message[5])) == 1 and ledger.payments(message[5]) == 1
 
 
 def _children(pid: int) -> list[int]:
