@@ -41,7 +41,9 @@ class PythonParser(PythonCodeBlockParser):
         self._python = PythonEvaluator()
 
     def _evaluate(self, example: t.Any) -> None:
-        example.namespace["page"].blocks.append(str(example.parsed))
+        page = example.namespace["page"]
+        page.stop_if_missing()
+        page.blocks.append(str(example.parsed))
         self._python(example)
 
 
@@ -67,6 +69,10 @@ class Page:
         self.blocks: list[str] = []
         self._saved = (os.getcwd(), dict(os.environ), _loggers())
         self._undo = contextlib.ExitStack()
+        #: Why the rest of the page cannot run (a service it needs is missing), once so.
+        self.missing: str | None = None
+        #: Whether that fails the page's remaining blocks instead of skipping them (CI).
+        self.missing_fails = False
 
     def patch(self, target: object, name: str, value: object) -> None:
         """Set ``target.name`` (a fake transport, say) until the page ends."""
@@ -103,6 +109,31 @@ class Page:
             self._undo.callback(sys.path.remove, str(self.directory))
         self._undo.callback(sys.modules.pop, name, None)
         return path
+
+    def redis(self) -> str:
+        """The URL of a throwaway Redis server (``tests/redis_server.py``) until the page ends.
+
+        Without one (no ``redis-server``, not root) the rest of the page skips, or fails under
+        ``FLASK_IDEM_REQUIRE_REDIS=1`` (CI)."""
+        from tests import debian, redis_server
+
+        server = redis_server.RedisServer()
+        try:
+            server.start()
+        except debian.NotInstallable as exc:
+            self.missing = f"{redis_server.DID_NOT_RUN}: {exc}"
+            self.missing_fails = redis_server.required()
+            self.stop_if_missing()
+        self._undo.callback(server.stop)
+        return server.url
+
+    def stop_if_missing(self) -> None:
+        """Skip (or, in CI, fail) the running block when the page lacks a service it needs."""
+        if self.missing is None:
+            return
+        if self.missing_fails:
+            pytest.fail(self.missing, pytrace=False)
+        pytest.skip(self.missing)
 
     def enter(self, context: t.ContextManager[T]) -> T:
         """Enter ``context`` (a ready store, say) until the page ends."""

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 import typing as t
 from pathlib import Path
 
+from . import debian
 from .pgcluster import ROOT
 
 PACKAGES = ("chromium", "chromium-driver")
@@ -49,19 +49,7 @@ def ensure_binaries() -> tuple[str, str]:
     found = binaries()
     if found is not None:
         return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise RuntimeError(
-            "the browser tests need Debian's chromium and chromium-driver: "
-            "apt-get install -y chromium chromium-driver"
-        )
-    environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (
-        ["apt-get", "update"],
-        ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES],
-    ):
-        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    debian.apt_install(*PACKAGES)
     found = binaries()
     if found is None:
         raise RuntimeError("chromium or chromedriver still missing after apt-get install")

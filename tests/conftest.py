@@ -18,7 +18,7 @@ from flask_idem.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import age_record, empty_store
 
-from . import citus_cluster, fsa_app, pgcluster
+from . import citus_cluster, debian, fsa_app, pgcluster, redis_server
 
 DIALECTS = ("postgresql", "sqlite")
 
@@ -62,12 +62,39 @@ def citus_server() -> t.Iterator[citus_cluster.CitusCluster]:
         cluster.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_url() -> t.Iterator[str]:
+    """A throwaway Redis server for this run (the broker of the Celery and RQ tests),
+    ``redis-server`` installed first when missing.
+
+    Without one the tests that need it skip with one line saying why, or fail under
+    ``FLASK_IDEM_REQUIRE_REDIS=1`` (CI).
+    """
+    server = redis_server.RedisServer()
+    try:
+        server.start()
+    except debian.NotInstallable as exc:
+        message = f"{redis_server.DID_NOT_RUN}: {exc}"
+        if redis_server.required():
+            pytest.fail(f"{message} ({redis_server.REQUIRE_VARIABLE} is set)", pytrace=False)
+        pytest.skip(message)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
 def pytest_terminal_summary(terminalreporter: t.Any) -> None:
-    """Say in one line, after the summary, that the Citus tests were skipped, and why."""
+    """Say in one line, after the summary, that the Citus or broker tests were skipped, and
+    why."""
     reasons = {
         str(report.longrepr[2]).removeprefix("Skipped: ")
         for report in terminalreporter.stats.get("skipped", [])
-        if isinstance(report.longrepr, tuple) and citus_cluster.DID_NOT_RUN in report.longrepr[2]
+        if isinstance(report.longrepr, tuple)
+        and any(
+            reason in report.longrepr[2]
+            for reason in (citus_cluster.DID_NOT_RUN, redis_server.DID_NOT_RUN)
+        )
     }
     for reason in sorted(reasons):
         terminalreporter.write_line(reason, yellow=True, bold=True)

@@ -10,7 +10,6 @@ and the session runs as root (CI, containers), ``apt-get install -y pgbouncer`` 
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from . import pgcluster
+from . import debian, pgcluster
 
 BINARY_CANDIDATES = ("pgbouncer", "/usr/sbin/pgbouncer")
 #: The password clients give PgBouncer (its default ``auth_type`` is md5); the cluster itself
@@ -45,16 +44,7 @@ def ensure_binary() -> str:
     found = binary()
     if found is not None:
         return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise RuntimeError("the pooler tests need Debian's pgbouncer: apt-get install -y pgbouncer")
-    environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (
-        ["apt-get", "update"],
-        ["apt-get", "install", "-y", "--no-install-recommends", "pgbouncer"],
-    ):
-        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    debian.apt_install("pgbouncer")
     found = binary()
     if found is None:
         raise RuntimeError("pgbouncer still missing after apt-get install")
