@@ -1,0 +1,183 @@
+"""A primary failover under load: the sample app under gunicorn on a libpq multi-host URL
+(``target_session_attrs=read-write``), a streaming standby made by ``pg_basebackup``, the
+primary stopped (``pg_ctl stop -m immediate``) and the standby promoted while new keys and
+retries keep coming.
+
+In flight, every answer is a completed one or a 503 problem (or a 409 for a key whose attempt
+died with the primary), never a 500; afterwards every key settles to its one payment and one
+charge. With synchronous replication no completed record is lost: every 201 replays after the
+failover. With an asynchronous standby a record committed on the primary but not yet streamed
+is lost, and its retry runs the payment again (what docs/operations.md, "Failover", warns of).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import typing as t
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from . import pgcluster
+from .drivers import PG_DRIVERS
+from .replication import Replicated
+from .sample_server import Reply, SampleServer, migrate
+from .test_faults import (
+    assert_answer,
+    assert_healthy,
+    assert_no_key_in,
+    new_customer,
+    new_key,
+    payment,
+    settle,
+)
+
+pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
+
+#: A request whose attempt died with the primary holds its key this long (then a retry takes
+#: it over and re-executes it, with the same downstream key).
+LEASE = 2
+#: Client threads sending new keys and retries through the failover.
+CLIENTS = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    key: str
+    customer: str
+    reply: Reply
+    #: Whether the primary had been stopped when the request was sent.
+    after_stop: bool
+
+
+def _pair(tmp_root: Path, *, synchronous: bool) -> Replicated:
+    if not pgcluster.have_server_binaries() or not pgcluster.find_binary("pg_basebackup"):
+        pytest.fail(pgcluster.NO_SERVER)
+    return Replicated(tmp_root, synchronous=synchronous)
+
+
+@pytest.fixture
+def synchronous_pair() -> t.Iterator[Replicated]:
+    pair = _pair(pgcluster.PG_DIR / f"failover-sync-{os.getpid()}", synchronous=True)
+    try:
+        pair.start()
+        yield pair
+        assert_no_key_in(pair.primary.log_file)
+        assert_no_key_in(pair.standby.log_file)
+    finally:
+        pair.stop()
+
+
+@pytest.fixture
+def asynchronous_pair() -> t.Iterator[Replicated]:
+    pair = _pair(pgcluster.PG_DIR / f"failover-async-{os.getpid()}", synchronous=False)
+    try:
+        pair.start()
+        yield pair
+    finally:
+        pair.stop()
+
+
+def _serve(pair: Replicated, driver: str, workdir: Path) -> SampleServer:
+    """The sample app on both servers' multi-host URL, its database migrated on the primary."""
+    database = pgcluster.create_database(pair.primary.url)
+    migrate(database)
+    url = pair.url(sa.make_url(database).database or "", driver)
+    return SampleServer(url, workdir, threads=4, FLASK_IDEMPOTENCY_LEASE=str(LEASE))
+
+
+class Load:
+    """Client threads: each pays with a new key, then retries it, until stopped."""
+
+    def __init__(self, server: SampleServer) -> None:
+        self.server = server
+        self.sent: list[Sent] = []
+        self.primary_stopped = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._client) for _ in range(CLIENTS)]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+    def _client(self) -> None:
+        while not self._stop.is_set():
+            key, customer = new_key(), new_customer()
+            for _attempt in range(2):
+                after_stop = self.primary_stopped
+                reply = self.server.pay(key, payment(customer), timeout=60)
+                with self._lock:
+                    self.sent.append(Sent(key, customer, reply, after_stop))
+
+    def wait_for(self, condition: t.Callable[[list[Sent]], bool], timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition(list(self.sent)):
+            assert time.monotonic() < deadline, "the load did not get there"
+            time.sleep(0.05)
+
+
+def _completed_before_stop(sent: list[Sent]) -> int:
+    return sum(1 for s in sent if s.reply.status == 201 and not s.after_stop)
+
+
+def _fail_over_under_load(pair: Replicated, server: SampleServer) -> list[Sent]:
+    """Load, the primary stopped, a second of a standby that refuses writes, the promotion,
+    and load again until new keys complete on the new primary."""
+    with Load(server) as load:
+        load.wait_for(lambda sent: _completed_before_stop(sent) >= 20)
+        load.primary_stopped = True
+        pair.stop_primary()
+        time.sleep(1)
+        pair.promote_standby()
+        promoted = len(load.sent)
+        load.wait_for(
+            lambda sent: sum(1 for s in sent[promoted:] if s.reply.status == 201) >= 20
+        )
+    return load.sent
+
+
+def _charges_per_customer(server: SampleServer, table: str) -> dict[str, int]:
+    rows = server.sql(f"SELECT customer, count(*) FROM {table} GROUP BY customer")
+    return {customer: int(count) for customer, count in rows}
+
+
+@pytest.mark.parametrize("driver", PG_DRIVERS, ids=["psycopg2", "psycopg"])
+def test_synchronous_failover_loses_nothing_and_charges_once(
+    synchronous_pair: Replicated, driver: str, tmp_path: Path
+) -> None:
+    server = _serve(synchronous_pair, driver, tmp_path)
+    try:
+        sent = _fail_over_under_load(synchronous_pair, server)
+        for s in sent:
+            # 409: a retry of a key whose first attempt died with the primary, lease still held.
+            assert_answer(s.reply, {201, 409, 503})
+        assert any(s.reply.status == 503 for s in sent), "the switch was not seen"
+        completed: dict[str, bytes] = {}
+        for s in sent:
+            if s.reply.status == 201:
+                assert completed.setdefault(s.key, s.reply.body) == s.reply.body
+        customers = {s.key: s.customer for s in sent}
+        for key, customer in customers.items():
+            final = settle(server, key, payment(customer))
+            assert final.status == 201, final.body
+            if key in completed:
+                # Committed on the primary, hence on the synchronous standby: replayed.
+                assert final.body == completed[key]
+                assert final.headers["Idempotent-Replayed"] == "true"
+        wanted = dict.fromkeys(customers.values(), 1)
+        assert _charges_per_customer(server, "provider_charges") == wanted
+        assert _charges_per_customer(server, "payments") == wanted
+    finally:
+        server.stop()
+    assert_healthy(server)
