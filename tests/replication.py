@@ -4,14 +4,13 @@ The primary is a throwaway cluster (:class:`~tests.pgcluster.Cluster`, WAL for a
 durable commits); the standby is ``pg_basebackup -R`` of it on its own port, streaming from
 it. With ``synchronous=True`` the primary waits for the standby's flush at every commit
 (``synchronous_standby_names = '*'``), so a commit the client saw is on the standby when the
-primary dies; without it the standby may lag, and :meth:`Replicated.hold_replication` makes it
-lag on purpose (the walreceiver stopped with ``SIGSTOP``) to show what an asynchronous
+primary dies; without it the standby may lag, and :meth:`Replicated.hold_streaming` makes it
+lag on purpose (its walsender stopped with ``SIGSTOP``, then killed) to show what an asynchronous
 failover loses.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -45,6 +44,8 @@ class Replicated:
         self.primary = pgcluster.Cluster(directory / "primary")
         self.standby = pgcluster.Cluster(directory / "standby")
         self.synchronous = synchronous
+        #: The walsender :meth:`hold_streaming` stopped.
+        self._held: int | None = None
 
     def start(self) -> None:
         settings = dict(COMMON)
@@ -105,6 +106,8 @@ class Replicated:
 
     def stop_primary(self) -> None:
         """``pg_ctl stop -m immediate``: the primary dies as in a crash, committed WAL stays."""
+        if self._held is not None:
+            os.kill(self._held, signal.SIGKILL)
         self.primary.stop_server("immediate")
 
     def promote_standby(self) -> None:
@@ -116,16 +119,21 @@ class Replicated:
             stdout=subprocess.DEVNULL,
         )
 
-    @contextlib.contextmanager
-    def hold_replication(self) -> t.Iterator[None]:
-        """Stop the standby's walreceiver (``SIGSTOP``) for the block, then let it go: what the
-        primary commits meanwhile is not on the standby (an asynchronous standby's lag)."""
-        (pid,) = _sql(self.standby.url, "SELECT pid FROM pg_stat_wal_receiver")[0]
+    def wait_caught_up(self, timeout: float = 30) -> None:
+        """Until the standby has replayed everything the primary has written so far."""
+        deadline = time.monotonic() + timeout
+        query = "SELECT bool_and(replay_lsn >= pg_current_wal_lsn()) FROM pg_stat_replication"
+        while not self._primary_sql(query)[0][0]:
+            assert time.monotonic() < deadline, "the standby does not catch up"
+            time.sleep(0.05)
+
+    def hold_streaming(self) -> None:
+        """Stop the primary's walsender (``SIGSTOP``): what the primary commits from now on
+        stays on the primary, as on an asynchronous standby that lags. :meth:`stop_primary`
+        then kills it first, so that nothing it holds reaches the standby."""
+        ((pid,),) = self._primary_sql("SELECT pid FROM pg_stat_replication")
         os.kill(pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        self._held = pid
 
     def stop(self) -> None:
         self.standby.stop()

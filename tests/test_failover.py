@@ -181,3 +181,39 @@ def test_synchronous_failover_loses_nothing_and_charges_once(
     finally:
         server.stop()
     assert_healthy(server)
+
+
+def test_asynchronous_failover_loses_what_was_not_streamed_and_the_retry_runs_again(
+    asynchronous_pair: Replicated, tmp_path: Path
+) -> None:
+    """What docs/operations.md ("Failover") says an asynchronous standby can lose: a payment
+    committed on the primary but not streamed yet. The retry after the failover finds no
+    record, runs the payment again and calls the provider with a *new* downstream key (it
+    derives from the lost record): against a real provider, a second charge."""
+    server = _serve(asynchronous_pair, PG_DRIVERS[0], tmp_path)
+    try:
+        streamed_key, streamed_customer = new_key(), new_customer()
+        streamed = server.pay(streamed_key, payment(streamed_customer))
+        assert streamed.status == 201
+        asynchronous_pair.wait_caught_up()
+        asynchronous_pair.hold_streaming()
+        lost_key, lost_customer = new_key(), new_customer()
+        attempts_before = len(server.provider_attempts())
+        lost = server.pay(lost_key, payment(lost_customer))
+        assert lost.status == 201, "an asynchronous commit does not wait for the standby"
+        asynchronous_pair.stop_primary()
+        asynchronous_pair.promote_standby()
+
+        replay = settle(server, streamed_key, payment(streamed_customer))
+        assert (replay.status, replay.body) == (201, streamed.body)
+        assert replay.headers["Idempotent-Replayed"] == "true"
+
+        again = settle(server, lost_key, payment(lost_customer))
+        assert again.status == 201, again.body
+        assert "Idempotent-Replayed" not in again.headers, "the completed record was lost"
+        assert again.json()["id"] != lost.json()["id"]
+        attempts = server.provider_attempts()[attempts_before:]
+        assert len(attempts) == 2 and len(set(attempts)) == 2, "two charges, two downstream keys"
+    finally:
+        server.stop()
+    assert_healthy(server)
