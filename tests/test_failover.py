@@ -12,6 +12,7 @@ is lost, and its retry runs the payment again (what docs/operations.md, "Failove
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import threading
@@ -27,6 +28,7 @@ from .drivers import PG_DRIVERS
 from .replication import Replicated
 from .sample_server import Reply, SampleServer, migrate
 from .test_faults import (
+    BOUND,
     assert_answer,
     assert_healthy,
     assert_no_key_in,
@@ -43,6 +45,10 @@ pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 LEASE = 2
 #: Client threads sending new keys and retries through the failover.
 CLIENTS = 6
+#: Seconds a client waits after a 409 or a 503 before its next request.
+BACKOFF = 0.2
+#: Payments completed before the primary is stopped, and again after the promotion.
+COMPLETED = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +60,13 @@ class Sent:
     after_stop: bool
 
 
-def _pair(tmp_root: Path, *, synchronous: bool) -> Replicated:
+def _replicated(*, synchronous: bool) -> t.Iterator[Replicated]:
+    """A primary and its standby for one test (a failover leaves them unusable), and no raw
+    key in either server's log."""
     if not pgcluster.have_server_binaries() or not pgcluster.find_binary("pg_basebackup"):
         pytest.fail(pgcluster.NO_SERVER)
-    return Replicated(tmp_root, synchronous=synchronous)
-
-
-@pytest.fixture
-def synchronous_pair() -> t.Iterator[Replicated]:
-    pair = _pair(pgcluster.PG_DIR / f"failover-sync-{os.getpid()}", synchronous=True)
+    name = f"failover-{'sync' if synchronous else 'async'}-{os.getpid()}"
+    pair = Replicated(pgcluster.PG_DIR / name, synchronous=synchronous)
     try:
         pair.start()
         yield pair
@@ -73,13 +77,13 @@ def synchronous_pair() -> t.Iterator[Replicated]:
 
 
 @pytest.fixture
+def synchronous_pair() -> t.Iterator[Replicated]:
+    yield from _replicated(synchronous=True)
+
+
+@pytest.fixture
 def asynchronous_pair() -> t.Iterator[Replicated]:
-    pair = _pair(pgcluster.PG_DIR / f"failover-async-{os.getpid()}", synchronous=False)
-    try:
-        pair.start()
-        yield pair
-    finally:
-        pair.stop()
+    yield from _replicated(synchronous=False)
 
 
 def _serve(pair: Replicated, driver: str, workdir: Path) -> SampleServer:
@@ -119,6 +123,8 @@ class Load:
                 reply = self.server.pay(key, payment(customer), timeout=60)
                 with self._lock:
                     self.sent.append(Sent(key, customer, reply, after_stop))
+                if reply.status != 201:
+                    time.sleep(BACKOFF)  # as a client would, before its retry
 
     def wait_for(self, condition: t.Callable[[list[Sent]], bool], timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -135,14 +141,14 @@ def _fail_over_under_load(pair: Replicated, server: SampleServer) -> list[Sent]:
     """Load, the primary stopped, a second of a standby that refuses writes, the promotion,
     and load again until new keys complete on the new primary."""
     with Load(server) as load:
-        load.wait_for(lambda sent: _completed_before_stop(sent) >= 20)
+        load.wait_for(lambda sent: _completed_before_stop(sent) >= COMPLETED)
         load.primary_stopped = True
         pair.stop_primary()
         time.sleep(1)
         pair.promote_standby()
         promoted = len(load.sent)
         load.wait_for(
-            lambda sent: sum(1 for s in sent[promoted:] if s.reply.status == 201) >= 20
+            lambda sent: sum(1 for s in sent[promoted:] if s.reply.status == 201) >= COMPLETED
         )
     return load.sent
 
@@ -168,8 +174,10 @@ def test_synchronous_failover_loses_nothing_and_charges_once(
             if s.reply.status == 201:
                 assert completed.setdefault(s.key, s.reply.body) == s.reply.body
         customers = {s.key: s.customer for s in sent}
-        for key, customer in customers.items():
-            final = settle(server, key, payment(customer))
+        with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
+            settled = pool.map(lambda key: settle(server, key, payment(customers[key])), customers)
+            finals = dict(zip(customers, settled, strict=True))
+        for key, final in finals.items():
             assert final.status == 201, final.body
             if key in completed:
                 # Committed on the primary, hence on the synchronous standby: replayed.
@@ -214,6 +222,33 @@ def test_asynchronous_failover_loses_what_was_not_streamed_and_the_retry_runs_ag
         assert again.json()["id"] != lost.json()["id"]
         attempts = server.provider_attempts()[attempts_before:]
         assert len(attempts) == 2 and len(set(attempts)) == 2, "two charges, two downstream keys"
+    finally:
+        server.stop()
+    assert_healthy(server)
+
+
+def test_without_its_synchronous_standby_a_new_key_answers_503_in_time_and_runs_once_later(
+    synchronous_pair: Replicated, tmp_path: Path
+) -> None:
+    """The price of synchronous replication: with its only standby down the primary commits
+    nothing, so a new key answers 503 within the client-side deadline (a commit waiting for
+    the standby is not ended by the server's statement timeout), its view never runs, and once
+    the standby is back its retries end in one charge."""
+    server = _serve(synchronous_pair, PG_DRIVERS[0], tmp_path)
+    try:
+        assert server.pay(new_key(), payment(new_customer())).status == 201
+        synchronous_pair.standby.stop_server("immediate")
+        key, customer = new_key(), new_customer()
+        attempts = len(server.provider_attempts())
+        started = time.monotonic()
+        reply = server.pay(key, payment(customer))
+        assert time.monotonic() - started < BOUND
+        assert_answer(reply, {503})
+        assert len(server.provider_attempts()) == attempts, "the view ran"
+        synchronous_pair.standby.start_server()
+        synchronous_pair.wait_streaming()
+        assert settle(server, key, payment(customer)).status == 201
+        assert _charges_per_customer(server, "provider_charges")[customer] == 1
     finally:
         server.stop()
     assert_healthy(server)
