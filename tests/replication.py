@@ -41,6 +41,7 @@ class Replicated:
     other."""
 
     def __init__(self, directory: Path, *, synchronous: bool) -> None:
+        self.directory = directory
         self.primary = pgcluster.Cluster(directory / "primary")
         self.standby = pgcluster.Cluster(directory / "standby")
         self.synchronous = synchronous
@@ -138,6 +139,7 @@ class Replicated:
     def stop(self) -> None:
         self.standby.stop()
         self.primary.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _sql(url: str, statement: str) -> list[tuple[t.Any, ...]]:
