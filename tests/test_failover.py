@@ -23,12 +23,16 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from flask_idem import Scope, StoreUnavailable
+from flask_idem.store import create_store
+
 from . import pgcluster
 from .drivers import PG_DRIVERS
 from .replication import Replicated
 from .sample_server import Reply, SampleServer, migrate
 from .test_faults import (
     BOUND,
+    PROMISED,
     assert_answer,
     assert_healthy,
     assert_no_key_in,
@@ -248,7 +252,17 @@ def test_without_its_synchronous_standby_a_new_key_answers_503_in_time_and_runs_
         assert time.monotonic() - started < BOUND
         assert_answer(reply, {503})
         assert len(server.provider_attempts()) == attempts, "the view ran"
-        synchronous_pair.standby.start_server()
+        # The sample's rate limiter may have answered first: the store's own claim, alone,
+        # in a thread, so that a claim that never returns fails the test instead of hanging it.
+        store = create_store(server.url)
+        scope = Scope("alpha", "POST /x", new_key())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            claim = pool.submit(store.claim, scope, b"f" * 32, ttl=60, lease=LEASE)
+            try:
+                assert isinstance(claim.exception(timeout=PROMISED + 2), StoreUnavailable)
+            finally:
+                synchronous_pair.standby.start_server()  # ends any wait for it
+        store.engine.dispose()
         synchronous_pair.wait_streaming()
         assert settle(server, key, payment(customer)).status == 201
         assert _charges_per_customer(server, "provider_charges")[customer] == 1
