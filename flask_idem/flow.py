@@ -118,7 +118,6 @@ from .record import ClaimResult, Record, Scope, StoredResponse
 from .sealing import unreadable_problem
 from .sessions import has_unmanaged_writes
 from .state import AppState, RequestState
-from .store.guards import one_deadline
 from .store.sql import translate_errors
 
 P = t.ParamSpec("P")
@@ -332,9 +331,8 @@ def _claim_atomic(
     store = app_state.store
     while True:
         try:
-            with one_deadline():  # the checkout and the claim: one wait for the server
-                connection = app_state.begin(state)
-                result = store.claim_atomic(connection, state.scope, digest, ttl=ttl)
+            connection = app_state.begin(state)
+            result = store.claim_atomic(connection, state.scope, digest, ttl=ttl)
             if result is not None and result.claimed:
                 state.token, state.record = result.token, result.record
                 state.reservation = result.reservation
@@ -678,7 +676,12 @@ def _store_failed(
         give_up(app_state, state, "the store failed after the view ran")
         return response
     released = state.releasable
-    give_up(app_state, state, "the store failed before the commit")
+    reason = (
+        "the store failed while committing: the result may or may not be recorded"
+        if committing
+        else "the store failed before the commit"
+    )
+    give_up(app_state, state, reason)
     if committing:
         # The commit itself failed: it may have gone through before the answer was lost.
         detail = (
