@@ -23,11 +23,12 @@ import typing as t
 import sqlalchemy as sa
 
 from . import signals
-from .commits import ended_outside
+from .commits import count_commits_from_now, ended_outside
 from .errors import StoreUnavailable
 from .events import emit as emit  # re-exported: flow and jobs emit through here
 from .options import Recovery
 from .record import ClaimResult, Record, State, StoredResponse
+from .sessions import replaced
 from .state import AppState, RequestState
 from .store.sql import translate_errors
 
@@ -82,6 +83,7 @@ def own(app_state: AppState, state: RequestState, claim: ClaimResult, lease: flo
     assert state.scope is not None
     state.token = claim.token
     state.record = claim.record
+    count_commits_from_now(state)  # a connection opened before the claim (a hook's)
     if claim.taken_over:
         # An earlier attempt of this operation may have had its effect: this one can never
         # prove that nothing happened. Releasing would delete the record, and the next retry
@@ -143,15 +145,18 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
     stop_watching(app_state, state)
     if ended_outside(state):
         state.committed = True  # its DBAPI connection committed below the commit guard
+    if state.session is not None and app_state.sessions is not None:
+        if replaced(app_state.sessions.scoped, state.session):
+            state.work_lost = True  # db.session.remove(): the fresh session is unguarded
     rollback(state)
     store = app_state.store
-    if state.atomic and not state.committed:
+    if state.releasable and state.atomic:
         # The claim rolled back with the business transaction: nothing is left to give back.
         emit(signals.released, state.scope, reason=reason)
         return
     try:
         if state.atomic:
-            # Its rows are committed without their answer: the key must stay taken.
+            # Its rows may be committed without their answer: the key must stay taken.
             done = _record_unknown(app_state, state)
             signal = signals.unknown
         elif state.releasable:

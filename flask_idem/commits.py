@@ -43,6 +43,7 @@ from flask import has_app_context
 
 from .sessions import SessionSettled, business_connections
 from .state import RequestState
+from .store import commit_count
 
 _GUARDED = "flask_idem_commit_guard"
 #: A statement (or a comment) starting with a word that may end the transaction: a prefilter
@@ -151,6 +152,7 @@ def guard_commits(engine: sa.Engine) -> None:
         execute_no_params(cursor, statement, context)
 
     setattr(do_commit, _GUARDED, True)
+    commit_count.open_counting(engine)
     dialect.do_commit = do_commit  # type: ignore[method-assign]
     dialect.do_execute = do_execute  # type: ignore[method-assign]
     dialect.do_execute_no_params = do_execute_no_params  # type: ignore[method-assign]
@@ -196,16 +198,26 @@ def _connections(state: RequestState) -> list[sa.Connection]:
     return [c for c in found if not c.closed and not c.invalidated]
 
 
-def ended_outside(state: RequestState) -> bool:
-    """Whether the attempt's business transaction ended below SQLAlchemy, which still holds it
-    open: the DBAPI connection committed (or ended) it behind the guard's back."""
+def count_commits_from_now(state: RequestState) -> None:
+    """The attempt claimed: a commit of its business transaction's driver connections counts
+    from here (one opened later is counted from its start, see :func:`.commit_count.zero`)."""
     for connection in _connections(state):
+        commit_count.zero(connection)
+
+
+def ended_outside(state: RequestState) -> bool:
+    """Whether the attempt's business transaction was committed or ended below SQLAlchemy,
+    behind the guard's back: its driver connection counted a commit (``commit()`` of the
+    DBAPI connection), or SQLAlchemy still holds open a transaction the driver ended."""
+    for connection in _connections(state):
+        if commit_count.committed(connection):
+            return True
         if not connection.in_transaction():
             continue
         dbapi = connection.connection.dbapi_connection
         if isinstance(dbapi, psycopg2.extensions.connection):
-            # psycopg2 began a transaction the server no longer has. (After psycopg2's own
-            # commit() both say idle, as before a transaction that never started: not told.)
+            # psycopg2 began a transaction the server no longer has (a COMMIT through a
+            # cursor).
             if (
                 dbapi.status != psycopg2.extensions.STATUS_READY
                 and dbapi.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE

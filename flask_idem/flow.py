@@ -97,6 +97,7 @@ from .attempt import (
     take_over,
 )
 from .body import read_body
+from .commits import count_commits_from_now
 from .config import Settings
 from .errors import StoreUnavailable
 from .fingerprint import fingerprint as canonical_fingerprint
@@ -336,6 +337,7 @@ def _claim_atomic(
             if result is not None and result.claimed:
                 state.token, state.record = result.token, result.record
                 state.reservation = result.reservation
+                count_commits_from_now(state)  # a connection opened before the claim
                 emit(signals.claimed, state.scope)
                 return None
             rollback(state)

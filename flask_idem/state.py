@@ -20,7 +20,7 @@ from .config import Settings
 from .lease import LeaseKeeper, Watch
 from .options import JobOptions, ViewOptions
 from .record import Record, Reservation, Scope
-from .store import Store
+from .store import Store, commit_count
 from .store.sql import translate_errors
 
 if t.TYPE_CHECKING:
@@ -72,6 +72,7 @@ class AppState:
                     )
         elif state.connection is None:
             state.connection = self.store.begin()
+            commit_count.zero(state.connection)  # a commit below it counts from its start
         return state.connection
 
     def attach_session(self, state: RequestState) -> t.Any:
@@ -173,8 +174,10 @@ class RequestState:
     @property
     def releasable(self) -> bool:
         """Whether a failure now provably committed nothing, so the key may be given back."""
-        if self.committed:
-            return False  # whatever it committed stays: a re-run would commit it again
+        if self.committed or self.work_lost:
+            # Whatever it committed stays: a re-run would commit it again. A view that ended
+            # its business transaction itself may have committed through another one since.
+            return False
         if self.atomic:
             return True  # the claim itself rolls back with everything else
         if self.contacted or self.options is None:

@@ -13,6 +13,7 @@ import typing as t
 
 import psycopg
 
+from .commit_count import counting
 from .guards import WATCHDOG
 
 
@@ -21,10 +22,13 @@ class DeadlineExceeded(psycopg.OperationalError):
 
 
 class DeadlineConnection(psycopg.Connection[t.Any]):
-    """A psycopg 3 connection whose waits for the server end after a deadline."""
+    """A psycopg 3 connection whose waits for the server end after a deadline, and which
+    counts its commits (:mod:`.commit_count`)."""
 
     #: Seconds any one operation after connecting may wait.
     flask_idem_deadline: float
+    flask_idem_commits = 0
+    commit = counting(psycopg.Connection.commit)
 
     def wait(self, gen: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
         if self.closed:

@@ -57,6 +57,7 @@ import psycopg2.extensions
 import sqlalchemy as sa
 
 from . import pooler
+from .commit_count import counting
 
 log = logging.getLogger("flask_idem")
 
@@ -323,12 +324,14 @@ def _bounded_class(factory: t.Any, named: bool) -> t.Any:
 
 class DeadlineConnection(psycopg2.extensions.connection):  # type: ignore[misc]
     """A psycopg2 connection whose waits for the server end after a deadline (see
-    :class:`Watchdog`): statements, named-cursor fetches, commit and rollback."""
+    :class:`Watchdog`): statements, named-cursor fetches, commit and rollback. It counts its
+    commits (:mod:`.commit_count`)."""
 
     #: Seconds any one operation after connecting may wait.
     flask_idem_deadline: float
+    flask_idem_commits = 0
 
-    commit = _bounded(psycopg2.extensions.connection.commit, of_cursor=False)
+    commit = _bounded(counting(psycopg2.extensions.connection.commit), of_cursor=False)
     rollback = _bounded(psycopg2.extensions.connection.rollback, of_cursor=False)
 
     def cursor(
