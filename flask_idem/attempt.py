@@ -145,9 +145,7 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
     stop_watching(app_state, state)
     if ended_outside(state):
         state.committed = True  # its DBAPI connection committed below the commit guard
-    if state.session is not None and app_state.sessions is not None:
-        if replaced(app_state.sessions.scoped, state.session):
-            state.work_lost = True  # db.session.remove(): the fresh session is unguarded
+    note_replaced_session(app_state, state)
     rollback(state)
     store = app_state.store
     if state.releasable and state.atomic:
@@ -173,6 +171,20 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
         return
     # The token no longer owns the record (a retry took it over): nothing changed here.
     emit(signal if done else signals.lease_lost, state.scope, reason=reason)
+
+
+def note_replaced_session(app_state: AppState, state: RequestState) -> None:
+    """``db.session.remove()`` in the view: its writes in the removed session are gone, and
+    the fresh ``db.session`` it got is no business transaction of this attempt, so its
+    commits are neither refused nor seen. The attempt can never prove it committed nothing.
+
+    (A ``close()`` or a caught refusal keeps the same session, whose next transaction is
+    still the business transaction, guarded: nothing more than ``work_lost``.)
+    """
+    if state.session is None or app_state.sessions is None:
+        return
+    if replaced(app_state.sessions.scoped, state.session):
+        state.work_lost = state.crashed = state.committed = True
 
 
 def _record_unknown(app_state: AppState, state: RequestState) -> bool:

@@ -90,6 +90,7 @@ from .attempt import (
     classify,
     emit,
     give_up,
+    note_replaced_session,
     own,
     rollback,
     stop_watching,
@@ -562,6 +563,7 @@ def finish(response: Response) -> Response:
     if state.token is None:
         return _settle_unclaimed(app_state, state, response)
     stop_watching(app_state, state)
+    note_replaced_session(app_state, state)
     if state.work_lost:
         # The view ended its own business transaction before answering: its rows are gone,
         # so its answer (a 201, say) would be a lie, stored or not.

@@ -174,10 +174,8 @@ class RequestState:
     @property
     def releasable(self) -> bool:
         """Whether a failure now provably committed nothing, so the key may be given back."""
-        if self.committed or self.work_lost:
-            # Whatever it committed stays: a re-run would commit it again. A view that ended
-            # its business transaction itself may have committed through another one since.
-            return False
+        if self.committed:
+            return False  # whatever it committed stays: a re-run would commit it again
         if self.atomic:
             return True  # the claim itself rolls back with everything else
         if self.contacted or self.options is None:
