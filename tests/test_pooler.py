@@ -34,6 +34,8 @@ from .drivers import PG_DRIVERS, spelled_for
 from .sample_server import SampleServer, migrate
 from .test_faults import (
     BOUND,
+    PROMISED,
+    SLACK,
     assert_answer,
     assert_healthy,
     assert_no_key_in,
@@ -253,6 +255,31 @@ def test_psycopg_3_claims_follow_the_pooler_to_another_server_connection(
     finally:
         other.close()
         store.engine.dispose()
+
+
+def test_a_fresh_engines_concurrent_claims_answer_a_frozen_database_in_time(
+    cluster: pgcluster.Cluster, database: str, pooler: pgbouncer.PgBouncer
+) -> None:
+    """A worker that never reached the database before it froze: its first connection's setup
+    (SQLAlchemy's first-connect queries, the pooler check) runs under a lock the other threads
+    wait on, and each of them then ran the same setup again with a full deadline of its own, so
+    the third claim answered after three deadlines. One deadline bounds each claim, waits
+    for that lock included. (psycopg2: psycopg 3 answered in time before.)"""
+    store = create_store(pooler.url(database))
+    scopes = [_scope(f"fresh{n}") for n in range(3)]
+
+    def claim(scope: Scope) -> float:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            store.claim(scope, b"f" * 32, ttl=60, lease=30)
+        return time.monotonic() - started
+
+    try:
+        with frozen(cluster), concurrent.futures.ThreadPoolExecutor(len(scopes)) as pool:
+            waited = list(pool.map(claim, scopes))
+    finally:
+        store.engine.dispose()
+    assert max(waited) < PROMISED + SLACK, f"answered after {[round(w, 1) for w in waited]} s"
 
 
 # -- the sample app under gunicorn -----------------------------------------------------------

@@ -23,6 +23,12 @@ Time bounds (PostgreSQL)
     sees a disconnect, the pool discards it): the store answers 503 instead of hanging a
     worker. Connecting is bounded by libpq's own ``connect_timeout``.
 
+    One store operation (a claim, a completion, the business connection's checkout: see
+    :func:`one_deadline`) waits for the server at most one deadline in all, counted from its
+    start: a wait before its first armed call (the pool's queue, or SQLAlchemy's lock around a
+    new engine's first connection setup, which other threads hold while their own setup waits
+    on the silent server) shortens the calls after it instead of adding to them.
+
     Only connections of engines built by :func:`flask_idem.store.create_engine` with a
     statement timeout are armed (:func:`connection_factory`); psycopg2 stays in its blocking
     mode, no process-wide state is touched, and every other connection of the process (the
@@ -41,6 +47,7 @@ Server log (PostgreSQL)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import logging
 import math
@@ -201,8 +208,14 @@ class Watchdog:
         self._started = False
 
     def arm(self, fd: int, budget: float) -> int:
-        """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds."""
+        """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds, or
+        by the end of the :func:`one_deadline` operation it is part of, if sooner."""
         deadline = time.monotonic() + budget
+        operation = _operation.get()
+        if operation is not None:
+            if operation[1] == math.inf:
+                operation[1] = operation[0] + budget  # the operation's first armed call
+            deadline = min(deadline, operation[1])
         token = self._latest = self._tokens()
         self._armed[token] = (fd, deadline)
         # Read after the entry is in: the thread looks at the entries again after it set its
@@ -261,6 +274,27 @@ def _earliest(armed: dict[int, tuple[int, float]]) -> float:
 
 #: The process's watchdog (its thread starts on the first armed call).
 WATCHDOG = Watchdog()
+
+#: The store operation running in this context: [when it started, when its deadline ends
+#: (infinity until its first armed call sets it from that connection's budget)].
+_operation: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
+    "flask_idem_operation", default=None
+)
+
+
+@contextlib.contextmanager
+def one_deadline() -> t.Iterator[None]:
+    """Bound every wait for the server inside by one deadline, counted from here (the
+    budget of the first connection armed inside, whatever waited before it). Nested, the
+    outer operation's deadline holds."""
+    if _operation.get() is not None:
+        yield
+        return
+    token = _operation.set([time.monotonic(), math.inf])
+    try:
+        yield
+    finally:
+        _operation.reset(token)
 
 _F = t.TypeVar("_F", bound=t.Callable[..., t.Any])
 
