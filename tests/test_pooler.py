@@ -263,9 +263,10 @@ def test_a_fresh_engines_concurrent_claims_answer_a_frozen_database_in_time(
     """A worker that never reached the database before it froze: its first connection's setup
     (SQLAlchemy's first-connect queries, the pooler check) runs under a lock the other threads
     wait on, and each of them then ran the same setup again with a full deadline of its own, so
-    the third claim answered after three deadlines. One deadline bounds each claim, waits
-    for that lock included. (psycopg2: psycopg 3 answered in time before.)"""
-    store = create_store(pooler.url(database))
+    the third claim answered after three deadlines (15 s). One deadline bounds each claim, the
+    wait for that lock included. (psycopg 3: through this PgBouncer psycopg2's connect itself
+    times out, concurrently, before any setup.)"""
+    store = create_store(spelled_for(pooler.url(database), "postgresql+psycopg"))
     scopes = [_scope(f"fresh{n}") for n in range(3)]
 
     def claim(scope: Scope) -> float:
