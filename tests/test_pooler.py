@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from flask_idem import Scope
 from flask_idem.errors import StoreUnavailable
 from flask_idem.migrate import upgrade
-from flask_idem.store import create_store, guards
+from flask_idem.store import create_engine, create_store, guards
 from flask_idem.testing import empty_store
 
 from . import pgbouncer, pgcluster
@@ -243,7 +243,7 @@ def test_psycopg_3_claims_follow_the_pooler_to_another_server_connection(
     """psycopg 3 prepares a statement it runs often, on the server connection of that moment;
     PgBouncer 1.18 sends the next transaction wherever a server connection is free, where that
     statement does not exist. Store sessions behind a pooler prepare nothing."""
-    store = create_store(spelled_for(pooler.url(database), "postgresql+psycopg"))
+    store = create_store(spelled_for(pooler.url(database), driver))
     other = psycopg2.connect(pooler.url(database))
     try:
         for n in range(8):  # past psycopg's prepare_threshold (5), on one pooled connection
@@ -257,17 +257,28 @@ def test_psycopg_3_claims_follow_the_pooler_to_another_server_connection(
         store.engine.dispose()
 
 
+def _warm(pooler: pgbouncer.PgBouncer, database: str) -> None:
+    """Let PgBouncer hold a server connection to ``database``: a client's login then completes
+    without the server (frozen or not), and a new engine gets as far as its setup."""
+    client = psycopg2.connect(pooler.url(database))
+    try:
+        with client.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    finally:
+        client.close()
+
+
 def test_a_fresh_engines_concurrent_claims_answer_a_frozen_database_in_time(
-    cluster: pgcluster.Cluster, database: str, pooler: pgbouncer.PgBouncer
+    cluster: pgcluster.Cluster, database: str, pooler: pgbouncer.PgBouncer, driver: str
 ) -> None:
     """A worker that never reached the database before it froze: its first connection's setup
     (SQLAlchemy's first-connect queries, the pooler check) runs under a lock the other threads
     wait on, and each of them then ran the same setup again with a full deadline of its own, so
     the third claim answered after three deadlines (15 s). One deadline bounds each claim, the
-    wait for that lock included. (psycopg 3: through this PgBouncer psycopg2's connect itself
-    times out, concurrently, before any setup.)"""
-    store = create_store(spelled_for(pooler.url(database), "postgresql+psycopg"))
+    wait for that lock included."""
+    store = create_store(spelled_for(pooler.url(database), driver))
     scopes = [_scope(f"fresh{n}") for n in range(3)]
+    _warm(pooler, database)
 
     def claim(scope: Scope) -> float:
         started = time.monotonic()
@@ -280,6 +291,29 @@ def test_a_fresh_engines_concurrent_claims_answer_a_frozen_database_in_time(
             waited = list(pool.map(claim, scopes))
     finally:
         store.engine.dispose()
+    assert max(waited) < PROMISED + SLACK, f"answered after {[round(w, 1) for w in waited]} s"
+
+
+def test_a_fresh_engines_concurrent_connections_set_up_within_one_deadline(
+    cluster: pgcluster.Cluster, database: str, pooler: pgbouncer.PgBouncer, driver: str
+) -> None:
+    """The same lock, for any engine flask_idem builds, outside any store operation (the
+    sample's rate-limit counters, a view's own queries): a new connection's setup waits for
+    the server at most one deadline in all, the wait for another thread's setup included."""
+    engine = create_engine(spelled_for(pooler.url(database), driver))
+    _warm(pooler, database)
+
+    def connect(_: int) -> float:
+        started = time.monotonic()
+        with pytest.raises(sa.exc.OperationalError), engine.connect() as connection:
+            connection.execute(sa.text("SELECT 1"))
+        return time.monotonic() - started
+
+    try:
+        with frozen(cluster), concurrent.futures.ThreadPoolExecutor(3) as pool:
+            waited = list(pool.map(connect, range(3)))
+    finally:
+        engine.dispose()
     assert max(waited) < PROMISED + SLACK, f"answered after {[round(w, 1) for w in waited]} s"
 
 

@@ -23,7 +23,9 @@ Time bounds (PostgreSQL)
     sees a disconnect, the pool discards it): the store answers 503 instead of hanging a
     worker. Connecting is bounded by libpq's own ``connect_timeout``.
 
-    One store operation (a claim, a completion, the business connection's checkout: see
+    A new connection's setup waits at most one deadline in all, counted from when it
+    connected (:func:`end_of_setup`), and one store operation (a claim, a completion, the
+    business connection's checkout: see
     :func:`one_deadline`) waits for the server at most one deadline in all, counted from its
     start: a wait before its first armed call (the pool's queue, or SQLAlchemy's lock around a
     new engine's first connection setup, which other threads hold while their own setup waits
@@ -207,10 +209,11 @@ class Watchdog:
         self._latest = -1
         self._started = False
 
-    def arm(self, fd: int, budget: float) -> int:
+    def arm(self, fd: int, budget: float, not_after: float = math.inf) -> int:
         """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds, or
-        by the end of the :func:`one_deadline` operation it is part of, if sooner."""
-        deadline = time.monotonic() + budget
+        by ``not_after`` or the end of the :func:`one_deadline` operation it is part of, if
+        sooner."""
+        deadline = min(time.monotonic() + budget, not_after)
         operation = _operation.get()
         if operation is not None:
             if operation[1] == math.inf:
@@ -314,7 +317,7 @@ def _bounded(call: _F, *, of_cursor: bool) -> _F:
         if connection.closed or (not of_cursor and connection.status == _READY):
             return call(self, *args, **kwargs)
         budget = connection.flask_idem_deadline
-        token = WATCHDOG.arm(connection.fileno(), budget)
+        token = WATCHDOG.arm(connection.fileno(), budget, connection.flask_idem_setup_ends)
         try:
             result = call(self, *args, **kwargs)
         except BaseException as exc:
@@ -363,6 +366,8 @@ class DeadlineConnection(psycopg2.extensions.connection):  # type: ignore[misc]
 
     #: Seconds any one operation after connecting may wait.
     flask_idem_deadline: float
+    #: When the connection's setup must be over (see :func:`end_of_setup`).
+    flask_idem_setup_ends = math.inf
     flask_idem_commits = 0
 
     commit = _bounded(counting(psycopg2.extensions.connection.commit), of_cursor=False)
@@ -387,9 +392,23 @@ def connection_factory(deadline: float) -> t.Callable[..., DeadlineConnection]:
     def connect(dsn: str, *args: t.Any, **kwargs: t.Any) -> DeadlineConnection:
         connection = DeadlineConnection(dsn, *args, **kwargs)
         connection.flask_idem_deadline = deadline
+        connection.flask_idem_setup_ends = time.monotonic() + deadline
         return connection
 
     return connect
+
+
+def end_of_setup(dbapi_connection: t.Any, _record: t.Any) -> None:
+    """The engine's last ``connect`` listener: the new connection's setup is over.
+
+    Its setup (SQLAlchemy's first-connect queries, :func:`quiet_server_log`, the pooler
+    check) waits at most one deadline in all, counted from when it connected. SQLAlchemy runs
+    a new engine's first setup under a lock: the other threads connecting meanwhile wait for
+    it, and each would otherwise start its own setup with a full deadline after that wait, so
+    on a silent server the n-th of them answered after n deadlines.
+    """
+    if getattr(dbapi_connection, "flask_idem_setup_ends", math.inf) != math.inf:
+        dbapi_connection.flask_idem_setup_ends = math.inf
 
 
 # -- server log (PostgreSQL) ------------------------------------------------------------------
