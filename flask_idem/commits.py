@@ -15,10 +15,18 @@ What counts, on the business transaction of a claimed attempt:
 - a statement that ends the transaction (``COMMIT``, ``END``, ``ROLLBACK``, ``ABORT``,
   ``PREPARE TRANSACTION``, in any case, after comments, inside a multi-statement string);
   ``SAVEPOINT``, ``RELEASE SAVEPOINT`` and ``ROLLBACK TO SAVEPOINT`` end nothing;
-- a transaction ended below SQLAlchemy (a ``COMMIT`` sent through a DBAPI cursor; SQLite's
-  DBAPI ``commit()``), which :func:`ended_outside` tells when the attempt gives up; in an atomic
-  view too, whose key is then left ``unknown``. psycopg2's own ``commit()`` leaves nothing to
-  tell it from a transaction that never started.
+- a transaction ended below SQLAlchemy, which :func:`ended_outside` tells when the attempt
+  gives up (in an atomic view too, whose key is then left ``unknown``): a ``COMMIT`` sent
+  through a DBAPI cursor, or the driver connection's own ``commit()``, also when the view wrote
+  again after it. psycopg2 and psycopg 3 leave nothing to tell such a commit from a
+  transaction that never started, so the PostgreSQL store engine's driver connections count
+  their commits (:mod:`flask_idem.store.commit_count`; zeroed when the attempt claims, or
+  opens its business transaction later); SQLite's store transactions all begin with an
+  explicit ``BEGIN``, so sqlite3 shows one it ended as no transaction at all.
+
+A view that replaced ``db.session`` (``db.session.remove()``) is never released either
+(:func:`flask_idem.attempt.note_replaced_session`): the fresh session is no business
+transaction, so its commits are neither refused nor seen.
 
 In an atomic view, and on ``db.session``'s connection, the first two raise
 :class:`~flask_idem.sessions.SessionSettled` before anything commits (a crash of the view; a
@@ -29,7 +37,8 @@ The checks wrap the store engine's dialect (``do_commit``, ``do_execute``) inste
 listening to connection events: any connection event on an engine makes SQLAlchemy dispatch
 events around every statement, transaction and checkout of it, which cost a protected request
 6% of its instructions (``valgrind --tool=callgrind``). A statement is looked at only when a
-cheap search finds one of those words in it.
+cheap search finds one of those words in it. Counting the driver's commits costs one Python
+call per commit and nothing per statement.
 """
 
 from __future__ import annotations

@@ -17,8 +17,11 @@ from flask_idem import Idempotency
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import empty_store
 
-from .drivers import PG_DRIVERS, spelled_for
-from .drivers import db_url_on_each_driver  # noqa: F401 (the fixture, on each driver)
+from .drivers import (
+    PG_DRIVERS,
+    db_url_on_each_driver,  # noqa: F401 (the fixture, on each driver)
+    spelled_for,
+)
 from .fsa_app import Order, application, db, notes
 
 ledger = sa.Table(

@@ -299,6 +299,7 @@ def one_deadline() -> t.Iterator[None]:
     finally:
         _operation.reset(token)
 
+
 _F = t.TypeVar("_F", bound=t.Callable[..., t.Any])
 
 
