@@ -120,7 +120,7 @@ from .record import ClaimResult, Record, Scope, StoredResponse
 from .sealing import unreadable_problem
 from .sessions import has_unmanaged_writes
 from .state import AppState, RequestState
-from .store.guards import one_deadline
+from .store.guards import OneDeadline
 from .store.sql import translate_errors
 
 P = t.ParamSpec("P")
@@ -334,7 +334,7 @@ def _claim_atomic(
     store = app_state.store
     while True:
         try:
-            with one_deadline():  # the checkout and the claim: one wait for the server
+            with OneDeadline():  # the checkout and the claim: one wait for the server
                 connection = app_state.begin(state)
                 result = store.claim_atomic(connection, state.scope, digest, ttl=ttl)
             if result is not None and result.claimed:

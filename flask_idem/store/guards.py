@@ -26,7 +26,7 @@ Time bounds (PostgreSQL)
     A new connection's setup waits at most one deadline in all, counted from when it
     connected (:func:`end_of_setup`), and one store operation (a claim, a completion, the
     business connection's checkout: see
-    :func:`one_deadline`) waits for the server at most one deadline in all, counted from its
+    :class:`OneDeadline`) waits for the server at most one deadline in all, counted from its
     start: a wait before its first armed call (the pool's queue, or SQLAlchemy's lock around a
     new engine's first connection setup, which other threads hold while their own setup waits
     on the silent server) shortens the calls after it instead of adding to them.
@@ -211,7 +211,7 @@ class Watchdog:
 
     def arm(self, fd: int, budget: float, not_after: float = math.inf) -> int:
         """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds, or
-        by ``not_after`` or the end of the :func:`one_deadline` operation it is part of, if
+        by ``not_after`` or the end of the :class:`OneDeadline` operation it is part of, if
         sooner."""
         deadline = min(time.monotonic() + budget, not_after)
         operation = _operation.get()
@@ -285,19 +285,21 @@ _operation: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def one_deadline() -> t.Iterator[None]:
+class OneDeadline:
     """Bound every wait for the server inside by one deadline, counted from here (the
     budget of the first connection armed inside, whatever waited before it). Nested, the
-    outer operation's deadline holds."""
-    if _operation.get() is not None:
-        yield
-        return
-    token = _operation.set([time.monotonic(), math.inf])
-    try:
-        yield
-    finally:
-        _operation.reset(token)
+    outer operation's deadline holds. A class, not a generator: it runs in every store
+    operation."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        outer = _operation.get()
+        self._token = None if outer is not None else _operation.set([time.monotonic(), math.inf])
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._token is not None:
+            _operation.reset(self._token)
 
 
 _F = t.TypeVar("_F", bound=t.Callable[..., t.Any])
