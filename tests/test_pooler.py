@@ -243,7 +243,7 @@ def test_psycopg_3_claims_follow_the_pooler_to_another_server_connection(
     """psycopg 3 prepares a statement it runs often, on the server connection of that moment;
     PgBouncer 1.18 sends the next transaction wherever a server connection is free, where that
     statement does not exist. Store sessions behind a pooler prepare nothing."""
-    store = create_store(spelled_for(pooler.url(database), driver))
+    store = create_store(spelled_for(pooler.url(database), "postgresql+psycopg"))
     other = psycopg2.connect(pooler.url(database))
     try:
         for n in range(8):  # past psycopg's prepare_threshold (5), on one pooled connection
