@@ -28,7 +28,7 @@ from .errors import StoreUnavailable
 from .events import emit as emit  # re-exported: flow and jobs emit through here
 from .options import Recovery
 from .record import ClaimResult, Record, State, StoredResponse
-from .sessions import replaced
+from .sessions import replaced, roll_back_fresh
 from .state import AppState, RequestState
 from .store.sql import translate_errors
 
@@ -185,6 +185,10 @@ def note_replaced_session(app_state: AppState, state: RequestState) -> None:
         return
     if replaced(app_state.sessions.scoped, state.session):
         state.work_lost = state.crashed = state.committed = True
+        try:
+            roll_back_fresh(app_state.sessions.scoped)
+        except sa.exc.SQLAlchemyError:
+            log.warning("rollback of the view's fresh db.session failed", exc_info=True)
 
 
 def _record_unknown(app_state: AppState, state: RequestState) -> bool:

@@ -207,6 +207,15 @@ def replaced(scoped: t.Any, session: t.Any) -> bool:
     return not registry.has() or registry() is not session
 
 
+def roll_back_fresh(scoped: t.Any) -> None:
+    """Roll back what the view left uncommitted in the fresh ``db.session`` it got after
+    removing the business one: the failed attempt's writes, which teardown would roll back a
+    moment later, after the key is given up (on SQLite its write lock would hold that back)."""
+    registry = scoped.registry
+    if registry.has():
+        registry().rollback()
+
+
 def _note_connection(session: t.Any, _transaction: t.Any, connection: sa.Connection) -> None:
     session.info.setdefault(_CONNECTIONS, []).append(connection)
     commit_count.zero(connection)  # a commit below the session counts from its start

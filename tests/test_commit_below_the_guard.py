@@ -169,3 +169,29 @@ def test_a_fresh_session_after_remove_is_never_released(
     assert answers[0].status_code in (500, 503)
     assert [a.status_code for a in answers[1:]] == [409, 409], "never released"
     assert answers[1].get_json()["type"].endswith("/outcome-pending")
+
+
+def test_a_view_that_replaced_its_session_never_stores_its_answer(
+    db_url: str, fsa_apps: list[Flask]
+) -> None:
+    """Its rows went into the fresh ``db.session``, which flask_idem never commits: a stored
+    201 would replay a success for rows that do not exist."""
+    app, idem = _fsa_app(db_url, "fsa-replaced")
+    fsa_apps.append(app)
+
+    @app.post("/orders")
+    @idem.idempotent
+    def create_order() -> t.Any:
+        db.session.remove()
+        db.session.add(Order(note="never committed"))
+        db.session.flush()
+        return {"created": True}, 201
+
+    _create_tables(app)
+    client = app.test_client()
+    first = client.post("/orders", headers={"Idempotency-Key": "replaced"})
+    retry = client.post("/orders", headers={"Idempotency-Key": "replaced"})
+    assert notes(app) == []
+    assert first.status_code == 500, "a 201 for rows that do not exist"
+    assert first.get_json()["type"].endswith("/internal-error")
+    assert retry.status_code == 409 and retry.get_json()["type"].endswith("/outcome-pending")
