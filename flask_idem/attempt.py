@@ -23,11 +23,12 @@ import typing as t
 import sqlalchemy as sa
 
 from . import signals
-from .commits import ended_outside
+from .commits import count_commits_from_now, ended_outside
 from .errors import StoreUnavailable
 from .events import emit as emit  # re-exported: flow and jobs emit through here
 from .options import Recovery
 from .record import ClaimResult, Record, State, StoredResponse
+from .sessions import replaced, roll_back_fresh
 from .state import AppState, RequestState
 from .store.sql import translate_errors
 
@@ -82,6 +83,7 @@ def own(app_state: AppState, state: RequestState, claim: ClaimResult, lease: flo
     assert state.scope is not None
     state.token = claim.token
     state.record = claim.record
+    count_commits_from_now(state)  # a connection opened before the claim (a hook's)
     if claim.taken_over:
         # An earlier attempt of this operation may have had its effect: this one can never
         # prove that nothing happened. Releasing would delete the record, and the next retry
@@ -143,15 +145,16 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
     stop_watching(app_state, state)
     if ended_outside(state):
         state.committed = True  # its DBAPI connection committed below the commit guard
+    note_replaced_session(app_state, state)
     rollback(state)
     store = app_state.store
-    if state.atomic and not state.committed:
+    if state.releasable and state.atomic:
         # The claim rolled back with the business transaction: nothing is left to give back.
         emit(signals.released, state.scope, reason=reason)
         return
     try:
         if state.atomic:
-            # Its rows are committed without their answer: the key must stay taken.
+            # Its rows may be committed without their answer: the key must stay taken.
             done = _record_unknown(app_state, state)
             signal = signals.unknown
         elif state.releasable:
@@ -168,6 +171,24 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
         return
     # The token no longer owns the record (a retry took it over): nothing changed here.
     emit(signal if done else signals.lease_lost, state.scope, reason=reason)
+
+
+def note_replaced_session(app_state: AppState, state: RequestState) -> None:
+    """``db.session.remove()`` in the view: its writes in the removed session are gone, and
+    the fresh ``db.session`` it got is no business transaction of this attempt, so its
+    commits are neither refused nor seen. The attempt can never prove it committed nothing.
+
+    (A ``close()`` or a caught refusal keeps the same session, whose next transaction is
+    still the business transaction, guarded: nothing more than ``work_lost``.)
+    """
+    if state.session is None or app_state.sessions is None:
+        return
+    if replaced(app_state.sessions.scoped, state.session):
+        state.work_lost = state.crashed = state.committed = True
+        try:
+            roll_back_fresh(app_state.sessions.scoped)
+        except sa.exc.SQLAlchemyError:
+            log.warning("rollback of the view's fresh db.session failed", exc_info=True)
 
 
 def _record_unknown(app_state: AppState, state: RequestState) -> bool:

@@ -15,10 +15,18 @@ What counts, on the business transaction of a claimed attempt:
 - a statement that ends the transaction (``COMMIT``, ``END``, ``ROLLBACK``, ``ABORT``,
   ``PREPARE TRANSACTION``, in any case, after comments, inside a multi-statement string);
   ``SAVEPOINT``, ``RELEASE SAVEPOINT`` and ``ROLLBACK TO SAVEPOINT`` end nothing;
-- a transaction ended below SQLAlchemy (a ``COMMIT`` sent through a DBAPI cursor; SQLite's
-  DBAPI ``commit()``), which :func:`ended_outside` tells when the attempt gives up; in an atomic
-  view too, whose key is then left ``unknown``. psycopg2's own ``commit()`` leaves nothing to
-  tell it from a transaction that never started.
+- a transaction ended below SQLAlchemy, which :func:`ended_outside` tells when the attempt
+  gives up (in an atomic view too, whose key is then left ``unknown``): a ``COMMIT`` sent
+  through a DBAPI cursor, or the driver connection's own ``commit()``, also when the view wrote
+  again after it. psycopg2 and psycopg 3 leave nothing to tell such a commit from a
+  transaction that never started, so the PostgreSQL store engine's driver connections count
+  their commits (:mod:`flask_idem.store.commit_count`; zeroed when the attempt claims, or
+  opens its business transaction later); SQLite's store transactions all begin with an
+  explicit ``BEGIN``, so sqlite3 shows one it ended as no transaction at all.
+
+A view that replaced ``db.session`` (``db.session.remove()``) is never released either
+(:func:`flask_idem.attempt.note_replaced_session`): the fresh session is no business
+transaction, so its commits are neither refused nor seen.
 
 In an atomic view, and on ``db.session``'s connection, the first two raise
 :class:`~flask_idem.sessions.SessionSettled` before anything commits (a crash of the view; a
@@ -29,7 +37,8 @@ The checks wrap the store engine's dialect (``do_commit``, ``do_execute``) inste
 listening to connection events: any connection event on an engine makes SQLAlchemy dispatch
 events around every statement, transaction and checkout of it, which cost a protected request
 6% of its instructions (``valgrind --tool=callgrind``). A statement is looked at only when a
-cheap search finds one of those words in it.
+cheap search finds one of those words in it. Counting the driver's commits costs one Python
+call per commit and nothing per statement.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from flask import has_app_context
 
 from .sessions import SessionSettled, business_connections
 from .state import RequestState
+from .store import commit_count
 
 _GUARDED = "flask_idem_commit_guard"
 #: A statement (or a comment) starting with a word that may end the transaction: a prefilter
@@ -151,6 +161,7 @@ def guard_commits(engine: sa.Engine) -> None:
         execute_no_params(cursor, statement, context)
 
     setattr(do_commit, _GUARDED, True)
+    commit_count.open_counting(engine)
     dialect.do_commit = do_commit  # type: ignore[method-assign]
     dialect.do_execute = do_execute  # type: ignore[method-assign]
     dialect.do_execute_no_params = do_execute_no_params  # type: ignore[method-assign]
@@ -196,16 +207,26 @@ def _connections(state: RequestState) -> list[sa.Connection]:
     return [c for c in found if not c.closed and not c.invalidated]
 
 
-def ended_outside(state: RequestState) -> bool:
-    """Whether the attempt's business transaction ended below SQLAlchemy, which still holds it
-    open: the DBAPI connection committed (or ended) it behind the guard's back."""
+def count_commits_from_now(state: RequestState) -> None:
+    """The attempt claimed: a commit of its business transaction's driver connections counts
+    from here (one opened later is counted from its start, see :func:`.commit_count.zero`)."""
     for connection in _connections(state):
+        commit_count.zero(connection)
+
+
+def ended_outside(state: RequestState) -> bool:
+    """Whether the attempt's business transaction was committed or ended below SQLAlchemy,
+    behind the guard's back: its driver connection counted a commit (``commit()`` of the
+    DBAPI connection), or SQLAlchemy still holds open a transaction the driver ended."""
+    for connection in _connections(state):
+        if commit_count.committed(connection):
+            return True
         if not connection.in_transaction():
             continue
         dbapi = connection.connection.dbapi_connection
         if isinstance(dbapi, psycopg2.extensions.connection):
-            # psycopg2 began a transaction the server no longer has. (After psycopg2's own
-            # commit() both say idle, as before a transaction that never started: not told.)
+            # psycopg2 began a transaction the server no longer has (a COMMIT through a
+            # cursor).
             if (
                 dbapi.status != psycopg2.extensions.STATUS_READY
                 and dbapi.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE

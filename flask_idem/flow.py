@@ -90,6 +90,7 @@ from .attempt import (
     classify,
     emit,
     give_up,
+    note_replaced_session,
     own,
     rollback,
     stop_watching,
@@ -97,6 +98,7 @@ from .attempt import (
     take_over,
 )
 from .body import read_body
+from .commits import count_commits_from_now
 from .config import Settings
 from .errors import StoreUnavailable
 from .fingerprint import fingerprint as canonical_fingerprint
@@ -118,6 +120,7 @@ from .record import ClaimResult, Record, Scope, StoredResponse
 from .sealing import unreadable_problem
 from .sessions import has_unmanaged_writes
 from .state import AppState, RequestState
+from .store.guards import OneDeadline
 from .store.sql import translate_errors
 
 P = t.ParamSpec("P")
@@ -331,11 +334,13 @@ def _claim_atomic(
     store = app_state.store
     while True:
         try:
-            connection = app_state.begin(state)
-            result = store.claim_atomic(connection, state.scope, digest, ttl=ttl)
+            with OneDeadline():  # the checkout and the claim: one wait for the server
+                connection = app_state.begin(state)
+                result = store.claim_atomic(connection, state.scope, digest, ttl=ttl)
             if result is not None and result.claimed:
                 state.token, state.record = result.token, result.record
                 state.reservation = result.reservation
+                count_commits_from_now(state)  # a connection opened before the claim
                 emit(signals.claimed, state.scope)
                 return None
             rollback(state)
@@ -560,6 +565,7 @@ def finish(response: Response) -> Response:
     if state.token is None:
         return _settle_unclaimed(app_state, state, response)
     stop_watching(app_state, state)
+    note_replaced_session(app_state, state)
     if state.work_lost:
         # The view ended its own business transaction before answering: its rows are gone,
         # so its answer (a 201, say) would be a lie, stored or not.

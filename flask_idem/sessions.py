@@ -35,7 +35,7 @@ from flask import Flask
 
 from .errors import ConfigurationError, IdempotencyError
 from .state import SESSION_STATE, RequestState
-from .store import normalize_url
+from .store import commit_count, normalize_url
 
 #: ``app.extensions`` key of Flask-SQLAlchemy.
 EXTENSION_KEY = "sqlalchemy"
@@ -200,8 +200,25 @@ def business_connections(session: t.Any) -> tuple[sa.Connection, ...]:
     return tuple(session.info.get(_CONNECTIONS, ()))
 
 
+def replaced(scoped: t.Any, session: t.Any) -> bool:
+    """Whether ``scoped`` (``db.session``) no longer hands out ``session``: the view removed
+    it (``db.session.remove()``), and may have committed through the fresh one since."""
+    registry = scoped.registry
+    return not registry.has() or registry() is not session
+
+
+def roll_back_fresh(scoped: t.Any) -> None:
+    """Roll back what the view left uncommitted in the fresh ``db.session`` it got after
+    removing the business one: the failed attempt's writes, which teardown would roll back a
+    moment later, after the key is given up (on SQLite its write lock would hold that back)."""
+    registry = scoped.registry
+    if registry.has():
+        registry().rollback()
+
+
 def _note_connection(session: t.Any, _transaction: t.Any, connection: sa.Connection) -> None:
     session.info.setdefault(_CONNECTIONS, []).append(connection)
+    commit_count.zero(connection)  # a commit below the session counts from its start
 
 
 def _note_end(session: t.Any, transaction: t.Any) -> None:

@@ -20,7 +20,7 @@ from .config import Settings
 from .lease import LeaseKeeper, Watch
 from .options import JobOptions, ViewOptions
 from .record import Record, Reservation, Scope
-from .store import Store
+from .store import Store, commit_count
 from .store.sql import translate_errors
 
 if t.TYPE_CHECKING:
@@ -72,6 +72,7 @@ class AppState:
                     )
         elif state.connection is None:
             state.connection = self.store.begin()
+            commit_count.zero(state.connection)  # a commit below it counts from its start
         return state.connection
 
     def attach_session(self, state: RequestState) -> t.Any:

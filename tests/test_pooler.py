@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from flask_idem import Scope, check
 from flask_idem.errors import StoreUnavailable
 from flask_idem.migrate import upgrade
-from flask_idem.store import create_store, guards
+from flask_idem.store import create_engine, create_store, guards
 from flask_idem.testing import empty_store
 
 from . import pgbouncer, pgcluster
@@ -34,6 +34,8 @@ from .drivers import PG_DRIVERS, spelled_for
 from .sample_server import SampleServer, migrate
 from .test_faults import (
     BOUND,
+    PROMISED,
+    SLACK,
     assert_answer,
     assert_healthy,
     assert_no_key_in,
@@ -264,6 +266,66 @@ def test_psycopg_3_claims_follow_the_pooler_to_another_server_connection(
     finally:
         other.close()
         store.engine.dispose()
+
+
+def _warm(pooler: pgbouncer.PgBouncer, database: str) -> None:
+    """Let PgBouncer hold a server connection to ``database``: a client's login then completes
+    without the server (frozen or not), and a new engine gets as far as its setup."""
+    client = psycopg2.connect(pooler.url(database))
+    try:
+        with client.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    finally:
+        client.close()
+
+
+def test_a_fresh_engines_concurrent_claims_answer_a_frozen_database_in_time(
+    cluster: pgcluster.Cluster, database: str, pooler: pgbouncer.PgBouncer, driver: str
+) -> None:
+    """A worker that never reached the database before it froze: its first connection's setup
+    (SQLAlchemy's first-connect queries, the pooler check) runs under a lock the other threads
+    wait on, and each of them then ran the same setup again with a full deadline of its own, so
+    the third claim answered after three deadlines (15 s). One deadline bounds each claim, the
+    wait for that lock included."""
+    store = create_store(spelled_for(pooler.url(database), driver))
+    scopes = [_scope(f"fresh{n}") for n in range(3)]
+    _warm(pooler, database)
+
+    def claim(scope: Scope) -> float:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            store.claim(scope, b"f" * 32, ttl=60, lease=30)
+        return time.monotonic() - started
+
+    try:
+        with frozen(cluster), concurrent.futures.ThreadPoolExecutor(len(scopes)) as pool:
+            waited = list(pool.map(claim, scopes))
+    finally:
+        store.engine.dispose()
+    assert max(waited) < PROMISED + SLACK, f"answered after {[round(w, 1) for w in waited]} s"
+
+
+def test_a_fresh_engines_concurrent_connections_set_up_within_one_deadline(
+    cluster: pgcluster.Cluster, database: str, pooler: pgbouncer.PgBouncer, driver: str
+) -> None:
+    """The same lock, for any engine flask_idem builds, outside any store operation (the
+    sample's rate-limit counters, a view's own queries): a new connection's setup waits for
+    the server at most one deadline in all, the wait for another thread's setup included."""
+    engine = create_engine(spelled_for(pooler.url(database), driver))
+    _warm(pooler, database)
+
+    def connect(_: int) -> float:
+        started = time.monotonic()
+        with pytest.raises(sa.exc.OperationalError), engine.connect() as connection:
+            connection.execute(sa.text("SELECT 1"))
+        return time.monotonic() - started
+
+    try:
+        with frozen(cluster), concurrent.futures.ThreadPoolExecutor(3) as pool:
+            waited = list(pool.map(connect, range(3)))
+    finally:
+        engine.dispose()
+    assert max(waited) < PROMISED + SLACK, f"answered after {[round(w, 1) for w in waited]} s"
 
 
 # -- the sample app under gunicorn -----------------------------------------------------------

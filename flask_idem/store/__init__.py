@@ -114,6 +114,7 @@ def prepare_engine(engine: sa.Engine) -> sa.Engine:
         pooler.connect_without_refused_options(engine)
         if not sa.event.contains(engine, "connect", guards.quiet_server_log):
             sa.event.listen(engine, "connect", guards.quiet_server_log)
+            sa.event.listen(engine, "connect", guards.end_of_setup)  # after the setup's
     guards.make_fork_safe(engine)
     return engine
 

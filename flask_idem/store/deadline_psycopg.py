@@ -9,10 +9,13 @@ only for psycopg 3 engines: psycopg 3 is not a dependency.
 from __future__ import annotations
 
 import functools
+import math
+import time
 import typing as t
 
 import psycopg
 
+from .commit_count import counting
 from .guards import WATCHDOG
 
 
@@ -21,16 +24,27 @@ class DeadlineExceeded(psycopg.OperationalError):
 
 
 class DeadlineConnection(psycopg.Connection[t.Any]):
-    """A psycopg 3 connection whose waits for the server end after a deadline."""
+    """A psycopg 3 connection whose waits for the server end after a deadline, and which
+    counts its commits (:mod:`.commit_count`)."""
 
     #: Seconds any one operation after connecting may wait.
     flask_idem_deadline: float
+    #: When the connection's setup must be over (see :func:`.guards.end_of_setup`).
+    flask_idem_setup_ends = math.inf
+    flask_idem_commits = 0
+    commit = counting(psycopg.Connection.commit)
+
+    @classmethod
+    def connect(cls, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        connection = super().connect(*args, **kwargs)
+        connection.flask_idem_setup_ends = time.monotonic() + cls.flask_idem_deadline
+        return connection
 
     def wait(self, gen: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
         if self.closed:
             return super().wait(gen, *args, **kwargs)
         budget = self.flask_idem_deadline
-        token = WATCHDOG.arm(self.pgconn.socket, budget)
+        token = WATCHDOG.arm(self.pgconn.socket, budget, self.flask_idem_setup_ends)
         try:
             result = super().wait(gen, *args, **kwargs)
         except BaseException as exc:

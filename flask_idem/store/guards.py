@@ -23,6 +23,14 @@ Time bounds (PostgreSQL)
     sees a disconnect, the pool discards it): the store answers 503 instead of hanging a
     worker. Connecting is bounded by libpq's own ``connect_timeout``.
 
+    A new connection's setup waits at most one deadline in all, counted from when it
+    connected (:func:`end_of_setup`), and one store operation (a claim, a completion, the
+    business connection's checkout: see
+    :class:`OneDeadline`) waits for the server at most one deadline in all, counted from its
+    start: a wait before its first armed call (the pool's queue, or SQLAlchemy's lock around a
+    new engine's first connection setup, which other threads hold while their own setup waits
+    on the silent server) shortens the calls after it instead of adding to them.
+
     Only connections of engines built by :func:`flask_idem.store.create_engine` with a
     statement timeout are armed (:func:`connection_factory`); psycopg2 stays in its blocking
     mode, no process-wide state is touched, and every other connection of the process (the
@@ -41,6 +49,7 @@ Server log (PostgreSQL)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import logging
 import math
@@ -57,6 +66,7 @@ import psycopg2.extensions
 import sqlalchemy as sa
 
 from . import pooler
+from .commit_count import counting
 
 log = logging.getLogger("flask_idem")
 
@@ -199,9 +209,16 @@ class Watchdog:
         self._latest = -1
         self._started = False
 
-    def arm(self, fd: int, budget: float) -> int:
-        """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds."""
-        deadline = time.monotonic() + budget
+    def arm(self, fd: int, budget: float, not_after: float = math.inf) -> int:
+        """Shut socket ``fd`` down unless :meth:`disarm` comes within ``budget`` seconds, or
+        by ``not_after`` or the end of the :class:`OneDeadline` operation it is part of, if
+        sooner."""
+        deadline = min(time.monotonic() + budget, not_after)
+        operation = _operation.get()
+        if operation is not None:
+            if operation[1] == math.inf:
+                operation[1] = operation[0] + budget  # the operation's first armed call
+            deadline = min(deadline, operation[1])
         token = self._latest = self._tokens()
         self._armed[token] = (fd, deadline)
         # Read after the entry is in: the thread looks at the entries again after it set its
@@ -261,6 +278,30 @@ def _earliest(armed: dict[int, tuple[int, float]]) -> float:
 #: The process's watchdog (its thread starts on the first armed call).
 WATCHDOG = Watchdog()
 
+#: The store operation running in this context: [when it started, when its deadline ends
+#: (infinity until its first armed call sets it from that connection's budget)].
+_operation: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
+    "flask_idem_operation", default=None
+)
+
+
+class OneDeadline:
+    """Bound every wait for the server inside by one deadline, counted from here (the
+    budget of the first connection armed inside, whatever waited before it). Nested, the
+    outer operation's deadline holds. A class, not a generator: it runs in every store
+    operation."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        outer = _operation.get()
+        self._token = None if outer is not None else _operation.set([time.monotonic(), math.inf])
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._token is not None:
+            _operation.reset(self._token)
+
+
 _F = t.TypeVar("_F", bound=t.Callable[..., t.Any])
 
 
@@ -279,7 +320,7 @@ def _bounded(call: _F, *, of_cursor: bool) -> _F:
         if connection.closed or (not of_cursor and connection.status == _READY):
             return call(self, *args, **kwargs)
         budget = connection.flask_idem_deadline
-        token = WATCHDOG.arm(connection.fileno(), budget)
+        token = WATCHDOG.arm(connection.fileno(), budget, connection.flask_idem_setup_ends)
         try:
             result = call(self, *args, **kwargs)
         except BaseException as exc:
@@ -323,12 +364,16 @@ def _bounded_class(factory: t.Any, named: bool) -> t.Any:
 
 class DeadlineConnection(psycopg2.extensions.connection):  # type: ignore[misc]
     """A psycopg2 connection whose waits for the server end after a deadline (see
-    :class:`Watchdog`): statements, named-cursor fetches, commit and rollback."""
+    :class:`Watchdog`): statements, named-cursor fetches, commit and rollback. It counts its
+    commits (:mod:`.commit_count`)."""
 
     #: Seconds any one operation after connecting may wait.
     flask_idem_deadline: float
+    #: When the connection's setup must be over (see :func:`end_of_setup`).
+    flask_idem_setup_ends = math.inf
+    flask_idem_commits = 0
 
-    commit = _bounded(psycopg2.extensions.connection.commit, of_cursor=False)
+    commit = _bounded(counting(psycopg2.extensions.connection.commit), of_cursor=False)
     rollback = _bounded(psycopg2.extensions.connection.rollback, of_cursor=False)
 
     def cursor(
@@ -350,9 +395,23 @@ def connection_factory(deadline: float) -> t.Callable[..., DeadlineConnection]:
     def connect(dsn: str, *args: t.Any, **kwargs: t.Any) -> DeadlineConnection:
         connection = DeadlineConnection(dsn, *args, **kwargs)
         connection.flask_idem_deadline = deadline
+        connection.flask_idem_setup_ends = time.monotonic() + deadline
         return connection
 
     return connect
+
+
+def end_of_setup(dbapi_connection: t.Any, _record: t.Any) -> None:
+    """The engine's last ``connect`` listener: the new connection's setup is over.
+
+    Its setup (SQLAlchemy's first-connect queries, :func:`quiet_server_log`, the pooler
+    check) waits at most one deadline in all, counted from when it connected. SQLAlchemy runs
+    a new engine's first setup under a lock: the other threads connecting meanwhile wait for
+    it, and each would otherwise start its own setup with a full deadline after that wait, so
+    on a silent server the n-th of them answered after n deadlines.
+    """
+    if getattr(dbapi_connection, "flask_idem_setup_ends", math.inf) != math.inf:
+        dbapi_connection.flask_idem_setup_ends = math.inf
 
 
 # -- server log (PostgreSQL) ------------------------------------------------------------------

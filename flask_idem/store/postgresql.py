@@ -73,6 +73,7 @@ from ..record import ClaimResult, MaintenanceReport, Record, Scope, StoredRespon
 from ..table import DEFAULT_PARTITION
 from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
+from . import guards
 from .sql import (
     AUDIT_COLUMNS,
     HEADERS_TYPE,
@@ -310,7 +311,7 @@ class PostgresStore(SQLStore):
         if self.audit:
             statement = _CLAIM_AUDITED
             parameters.update(self._audit_values(scope, "claimed"))
-        with _isolation_explained(), translate_errors():
+        with _isolation_explained(), translate_errors(), guards.OneDeadline():
             if _observed(self.engine):
                 with self.connect() as conn:
                     values = tuple(conn.exec_driver_sql(statement, parameters).one())
@@ -339,7 +340,7 @@ class PostgresStore(SQLStore):
             # A view that ended idem.connection()'s transaction itself (commit as you go):
             # SQLAlchemy begins the next one, which the completion then commits with.
             return super()._send(statement, parameters, connection)
-        with translate_errors():
+        with translate_errors(), guards.OneDeadline():
             bound = statement.parameters(parameters)
             if connection is None:
                 return t.cast(int, self._autocommitted(statement.sql, bound, _row_count))

@@ -26,6 +26,7 @@ from ..sealing import KEY_ID_OFFSET, KEY_ID_SIZE, MAGIC, Sealer, key_id_of
 from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
 from ..trail import AuditEntry
+from . import guards
 from .base import Store
 
 #: Columns read back for a record, in a fixed order shared with the claim function.
@@ -326,7 +327,7 @@ class SQLStore(Store):
         parameters: dict[str, t.Any] | None = None,
         connection: sa.Connection | None = None,
     ) -> Outcome:
-        with translate_errors():
+        with translate_errors(), guards.OneDeadline():
             if connection is not None:
                 return Outcome.of(_run(connection, statement, parameters))
             with self.connect() as conn:
@@ -364,7 +365,7 @@ class SQLStore(Store):
             statement = statement.returning(*(table.c[name] for name in AUDIT_SOURCE))
         values = self._audit_values(scope, event)
         deleted = isinstance(statement, sa.Delete)
-        with translate_errors():
+        with translate_errors(), guards.OneDeadline():
             if connection is not None:
                 return self._audited(connection, statement, {**parameters, **values}, deleted)
             with self.connect() as conn:
@@ -763,7 +764,7 @@ class SQLStore(Store):
         return [audit_entry(row) for row in self._execute(statement).rows]
 
     def begin(self) -> sa.Connection:
-        with translate_errors():
+        with translate_errors(), guards.OneDeadline():
             connection = self.engine.connect()
             try:
                 connection.begin()
