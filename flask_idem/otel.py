@@ -167,7 +167,7 @@ class AttemptSpan:
         )
 
     def transition(self, signal: NamedSignal, event: t.Mapping[str, t.Any]) -> None:
-        fields = {f"idempotency.{name}": event[name] for name in _EVENT_FIELDS}
+        fields = {f"idempotency.{name}": event.get(name) for name in _EVENT_FIELDS}
         self.span.add_event(
             event["event"], {name: value for name, value in fields.items() if value is not None}
         )
