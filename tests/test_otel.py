@@ -348,3 +348,25 @@ print(json.dumps([status, tracer is None, imported,
     status, no_tracer, imported, traced = json.loads(output)
     assert status == 201 and no_tracer and imported == []
     assert "idempotency POST /pay" in traced
+
+
+def test_tenant_attributes_on_the_counters_only_when_asked(store: SQLStore) -> None:
+    counted: dict[bool, list[dict[str, t.Any]]] = {}
+    for tenant_label in (False, True):
+        recorded = Recorded()
+        recorded.telemetry = Telemetry(
+            tracer_provider=recorded.tracer_provider,
+            meter_provider=recorded.meter_provider,
+            tenant_label=tenant_label,
+        )
+        app, _ = _app(store, recorded)
+        app.test_client().post(
+            "/pay", json={}, headers={"Idempotency-Key": f"k{tenant_label}", "X-Tenant": "beta"}
+        )
+        counted[tenant_label] = [dict(key) for key in recorded.points("idempotency.requests")]
+        recorded.tracer_provider.shutdown()
+        recorded.meter_provider.shutdown()
+    assert counted[False] == [{"endpoint": "POST /pay", "outcome": "executed", "status": 201}]
+    assert counted[True] == [
+        {"endpoint": "POST /pay", "outcome": "executed", "status": 201, "tenant": "beta"}
+    ]
