@@ -45,6 +45,7 @@ DEFAULTS: dict[str, t.Any] = {
     "IDEMPOTENCY_AUDIT_RETENTION": AUDIT_RETENTION,
     "IDEMPOTENCY_METRICS": False,
     "IDEMPOTENCY_METRICS_TENANT_LABEL": False,
+    "IDEMPOTENCY_OPENTELEMETRY": False,
 }
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an HTTP field name (RFC 9110 token)
@@ -102,8 +103,10 @@ class Settings:
     audit_retention: float | None = AUDIT_RETENTION
     #: Prometheus counters and histograms, fed by the transition signals.
     metrics: bool = False
-    #: Metrics carry a ``tenant`` label (one series per tenant: mind the cardinality).
+    #: Counters carry a ``tenant`` label (one series per tenant: mind the cardinality).
     metrics_tenant_label: bool = False
+    #: A span per attempt and the same counters through OpenTelemetry's global providers.
+    opentelemetry: bool = False
 
     @property
     def headers(self) -> tuple[str, ...]:
@@ -240,4 +243,5 @@ class Settings:
             audit_retention=retention,
             metrics=flag("IDEMPOTENCY_METRICS"),
             metrics_tenant_label=flag("IDEMPOTENCY_METRICS_TENANT_LABEL"),
+            opentelemetry=flag("IDEMPOTENCY_OPENTELEMETRY"),
         )

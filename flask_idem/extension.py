@@ -52,6 +52,7 @@ if t.TYPE_CHECKING:
     from .audit import Lookup, LookupTarget
     from .metrics import Metrics
     from .operator import OperatorAccess
+    from .otel import Telemetry
     from .reconcile import Reconciler, ReconcilerTarget
 
 P = t.ParamSpec("P")
@@ -76,6 +77,9 @@ class Idempotency:
         :meth:`operator_access`); without it the page is off.
     :param metrics: the Prometheus metrics to feed (:class:`flask_idem.metrics.Metrics`,
         e.g. on a registry of your own); ``IDEMPOTENCY_METRICS = True`` uses the default one.
+    :param telemetry: the OpenTelemetry spans and counters to feed
+        (:class:`flask_idem.otel.Telemetry`, e.g. on providers of your own);
+        ``IDEMPOTENCY_OPENTELEMETRY = True`` uses the global providers.
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class Idempotency:
         bind_key: str | None = None,
         operator: OperatorAccess | None = None,
         metrics: Metrics | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         if db is not None and store is not None:
             raise ConfigurationError("pass either db= or store= to Idempotency, not both")
@@ -97,6 +102,7 @@ class Idempotency:
         self._tenant = tenant
         self._operator = operator
         self._metrics = metrics
+        self._telemetry = telemetry
         self._blueprints: dict[Blueprint, ViewOptions] = {}
         self._reconcilers: dict[ReconcilerTarget, Reconciler] = {}
         self._lookups: dict[ReconcilerTarget, LookupTarget] = {}
@@ -161,6 +167,10 @@ class Idempotency:
             from . import metrics
 
             metrics.install(app, self._metrics, settings)
+        if settings.opentelemetry or self._telemetry is not None:
+            from . import otel
+
+            otel.install(app, self._telemetry, settings)
 
     def _sessions(self, app: Flask, settings: Settings) -> FlaskSQLAlchemySessions | None:
         """Flask-SQLAlchemy's sessions: given with ``db=``, or detected when nothing names

@@ -291,6 +291,7 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     assert req.url_rule is not None
     scope = Scope(_tenant(app_state), f"{req.method} {req.url_rule.rule}", key)
     state = _start(RequestState(scope, options))
+    app_state.start_trace(state)
     if body is None:
         body = read_body(req, settings.max_request_body)
     digest = _fingerprint(req, options, body)
@@ -523,20 +524,22 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
     except StoreUnavailable as exc:
         # idem.connection() failed in the view: a crash answered 503 here, not by whatever
         # error handler the application (or a blueprint) registered for Exception.
-        _answered(crashed=True)
+        _answered(crashed=True, error=exc)
         return store_unavailable(exc)
-    except BaseException:
+    except BaseException as exc:
         # A crash, also when an application error handler turns it into a response.
-        _answered(crashed=True)
+        _answered(crashed=True, error=exc)
         raise
 
 
-def _answered(*, crashed: bool, refused: bool = False) -> None:
+def _answered(*, crashed: bool, refused: bool = False, error: BaseException | None = None) -> None:
     state = RequestState.current()
     if state is not None:
         state.answered = True
         state.crashed = state.crashed or crashed
         state.refused = refused
+        if error is not None:
+            state.failed(error)
 
 
 class Refusal(HTTPException):
@@ -564,6 +567,7 @@ def finish(response: Response) -> Response:
         return response
     if state.token is None:
         return _settle_unclaimed(app_state, state, response)
+    state.completing()
     stop_watching(app_state, state)
     note_replaced_session(app_state, state)
     if state.work_lost:
@@ -719,6 +723,7 @@ def teardown(exc: BaseException | None) -> None:
         return
     try:
         if state.token is not None and not state.finished:
+            state.completing()
             give_up(AppState.current(), state, "the request ended without an answer")
     finally:
         state.close()

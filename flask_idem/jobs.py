@@ -136,6 +136,7 @@ def _run(
     _refuse_a_shared_session(app_state, options)
     scope = Scope(_tenant(options, call), options.endpoint, _key(options, call))
     with _attached(RequestState(scope, options)) as state:
+        app_state.start_trace(state)
         stored = _claim(app_state, state, _fingerprint(options, call))
         if stored is not None:
             return _replayed(stored)
@@ -269,13 +270,17 @@ def _execute(
         value = function(*call.args, **call.kwargs)
     except JobRefused:
         state.refused = True  # idem.refuse() ended the run: it did nothing
+        state.completing()
         give_up(app_state, state, "the job refused to run")
         raise
-    except BaseException:
+    except BaseException as exc:
         # Also SystemExit and KeyboardInterrupt: a worker told to stop mid-job.
         state.crashed = True
+        state.failed(exc)
+        state.completing()
         give_up(app_state, state, "the job raised an exception")
         raise
+    state.completing()
     stop_watching(app_state, state)
     snapshot = _snapshot(app_state, value)
     digest = key_hash(state.scope)

@@ -43,10 +43,10 @@ import typing as t
 
 from flask import Flask, Response, current_app
 
-from . import signals
+from . import counting
 from .config import Settings
+from .counting import CLAIM_BUCKETS, DESCRIPTIONS, VIEW_BUCKETS, Recorder
 from .errors import ConfigurationError, StoreUnavailable
-from .events import event_name
 from .state import AppState
 from .store import Store
 
@@ -59,38 +59,8 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "IDEMPOTENCY_METRICS needs prometheus_client: pip install 'flask-idem[metrics]'"
     ) from exc
 
-#: Seconds; claims take milliseconds, views up to the lease.
-CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-VIEW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
-#: Signal -> the ``outcome`` of ``idempotency_requests_total`` it counts.
-OUTCOMES = {
-    signals.completed: "executed",
-    signals.replayed: "replayed",
-    signals.conflict: "in_progress",
-    signals.pending: "outcome_pending",
-    signals.not_stored: "not_stored",
-    signals.mismatch: "mismatch",
-    signals.released: "released",
-    signals.unknown: "unknown",
-    signals.lease_lost: "lease_lost",
-    signals.store_unavailable: "store_unavailable",
-}
-#: Decisions taken at the claim (their duration is the claim's) ...
-_AT_CLAIM = {
-    signals.claimed,
-    signals.taken_over,
-    signals.replayed,
-    signals.conflict,
-    signals.pending,
-    signals.not_stored,
-    signals.mismatch,
-}
-#: ... and those that end a view or job that held the key.
-_AT_END = {signals.completed, signals.released, signals.unknown, signals.lease_lost}
-
-
-class Metrics:
+class Metrics(Recorder):
     """The instruments flask_idem feeds, on one registry.
 
     :param registry: where they are registered (the default registry by default, which is
@@ -101,63 +71,64 @@ class Metrics:
     def __init__(
         self, registry: prometheus.CollectorRegistry | None = None, *, tenant_label: bool = False
     ) -> None:
+        super().__init__(tenant_label=tenant_label)
         self.registry = registry or prometheus.REGISTRY
-        self.tenant_label = tenant_label
         tenant = ("tenant",) if tenant_label else ()
         self.requests = prometheus.Counter(
             "idempotency_requests",
-            "Protected requests and job runs that reached the claim, by outcome.",
+            DESCRIPTIONS["requests"],
             ("endpoint", "outcome", "status", *tenant),
             registry=self.registry,
         )
         self.claims = prometheus.Counter(
             "idempotency_claims",
-            "Keys taken: new claims and takeovers of records nobody owned.",
+            DESCRIPTIONS["claims"],
             ("endpoint", "kind", *tenant),
             registry=self.registry,
         )
         self.settled = prometheus.Counter(
             "idempotency_settled",
-            "Stuck records settled by a reconciler or an operator.",
+            DESCRIPTIONS["settled"],
             ("endpoint", "actor", "action"),
             registry=self.registry,
         )
         self.claim_duration = prometheus.Histogram(
             "idempotency_claim_duration_seconds",
-            "From the start of the claim (body read, fingerprint, store) to its decision.",
+            DESCRIPTIONS["claim_duration"],
             ("endpoint", "outcome"),
             buckets=CLAIM_BUCKETS,
             registry=self.registry,
         )
         self.view_duration = prometheus.Histogram(
             "idempotency_view_duration_seconds",
-            "From the claim to the end of the view or job that held the key.",
+            DESCRIPTIONS["view_duration"],
             ("endpoint", "outcome"),
             buckets=VIEW_BUCKETS,
             registry=self.registry,
         )
 
-    def receive(self, signal: t.Any, **event: t.Any) -> None:
-        """Count one transition (the receiver of every signal)."""
-        endpoint = event["endpoint"]
-        tenant = (event["tenant"],) if self.tenant_label else ()
-        outcome = OUTCOMES.get(signal)
-        if outcome == "executed" and event.get("stored") is False:
-            outcome = "unstored"
-        if outcome is not None:
-            status = "" if event.get("status") is None else str(event["status"])
-            self.requests.labels(endpoint, outcome, status, *tenant).inc()
-        if signal is signals.claimed or signal is signals.taken_over:
-            self.claims.labels(endpoint, event_name(signal), *tenant).inc()
-        elif signal is signals.settled:
-            self.settled.labels(endpoint, event["actor"], event["action"]).inc()
-        duration = event.get("duration")
-        if duration is None:
-            return
-        if signal in _AT_CLAIM or event.get("stage") == "claim":
-            self.claim_duration.labels(endpoint, outcome or event_name(signal)).observe(duration)
-        elif signal in _AT_END or event.get("stage") == "complete":
-            self.view_duration.labels(endpoint, outcome).observe(duration)
+    def add_request(
+        self, endpoint: str, outcome: str, status: int | None, tenant: str | None
+    ) -> None:
+        self.requests.labels(
+            endpoint, outcome, "" if status is None else str(status), *_opt(tenant)
+        ).inc()
+
+    def add_claim(self, endpoint: str, kind: str, tenant: str | None) -> None:
+        self.claims.labels(endpoint, kind, *_opt(tenant)).inc()
+
+    def add_settled(self, endpoint: str, actor: str, action: str) -> None:
+        self.settled.labels(endpoint, actor, action).inc()
+
+    def observe_claim(self, endpoint: str, outcome: str, seconds: float) -> None:
+        self.claim_duration.labels(endpoint, outcome).observe(seconds)
+
+    def observe_view(self, endpoint: str, outcome: str, seconds: float) -> None:
+        self.view_duration.labels(endpoint, outcome).observe(seconds)
+
+
+def _opt(tenant: str | None) -> tuple[str, ...]:
+    return () if tenant is None else (tenant,)
 
 
 _default: dict[bool, Metrics] = {}
@@ -184,12 +155,7 @@ def install(app: Flask, metrics: Metrics | None, settings: Settings) -> None:
     """
     check_multiprocess_mode()
     chosen = metrics or default_metrics(settings.metrics_tenant_label)
-    for signal in (*OUTCOMES, signals.claimed, signals.taken_over, signals.settled):
-
-        def receive(sender: Flask, _signal: t.Any = signal, **event: t.Any) -> None:
-            chosen.receive(_signal, **event)
-
-        signal.connect(receive, app, weak=False)
+    counting.subscribe(app, chosen.receive)
     app.extensions["idempotency.metrics"] = chosen
 
 

@@ -32,6 +32,20 @@ _REQUEST_STATE = "_flask_idem"
 SESSION_STATE = "flask_idem.request"
 
 
+class Trace(t.Protocol):
+    """One attempt as a tracer follows it (:mod:`flask_idem.otel`). The transitions reach it
+    as signals; these are the moments no signal marks."""
+
+    def completing(self) -> None:
+        """The view or job is over: its result is being recorded, or its key given up."""
+
+    def failed(self, error: BaseException) -> None:
+        """The view or job raised ``error``."""
+
+    def end(self) -> None:
+        """The attempt is over (its request torn down, its job returned or raised)."""
+
+
 class SessionSource(t.Protocol):
     """Where the business sessions come from (see :mod:`flask_idem.sqlalchemy`)."""
 
@@ -57,6 +71,14 @@ class AppState:
     #: A Flask-SQLAlchemy registered on the app whose session flask_idem does not settle (the
     #: store runs on another database): its writes left uncommitted by a view are warned of.
     unmanaged_db: t.Any = None
+    #: Starts the trace of an attempt (``IDEMPOTENCY_OPENTELEMETRY``); None: nothing traced,
+    #: and an attempt costs one attribute test.
+    tracer: t.Callable[[RequestState], Trace] | None = None
+
+    def start_trace(self, state: RequestState) -> None:
+        """Follow the claimed attempt ``state`` in the tracer, when there is one."""
+        if self.tracer is not None:
+            state.trace = self.tracer(state)
 
     def begin(self, state: RequestState) -> sa.Connection:
         """The request's business transaction, opened on first use: the connection of the
@@ -137,6 +159,8 @@ class RequestState:
     session: t.Any = None
     #: True while flask_idem itself commits or rolls the session back.
     settling: bool = False
+    #: The tracer's view of this attempt, when one follows it (:meth:`AppState.start_trace`).
+    trace: Trace | None = None
 
     def flush(self) -> None:
         """Write the session's pending ORM changes into the business transaction."""
@@ -164,12 +188,27 @@ class RequestState:
     def close(self) -> None:
         """End the request's use of the business transaction. A session's connection is the
         session's to close (Flask-SQLAlchemy removes the session at app context teardown)."""
-        if self.session is not None:
-            self.session.info.pop(SESSION_STATE, None)
-            if self.session.in_transaction():
-                self.rollback()
-        elif self.connection is not None:
-            self.connection.close()
+        try:
+            if self.session is not None:
+                self.session.info.pop(SESSION_STATE, None)
+                if self.session.in_transaction():
+                    self.rollback()
+            elif self.connection is not None:
+                self.connection.close()
+        finally:
+            if self.trace is not None:
+                self.trace.end()
+                self.trace = None
+
+    def completing(self) -> None:
+        """The view or job is over; tell the trace, if any."""
+        if self.trace is not None:
+            self.trace.completing()
+
+    def failed(self, error: BaseException) -> None:
+        """The view or job raised ``error``; tell the trace, if any."""
+        if self.trace is not None:
+            self.trace.failed(error)
 
     @property
     def releasable(self) -> bool:
