@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
+import time
 import typing as t
 
 import flask
@@ -232,28 +234,68 @@ def test_operator_reads_across_tenants(distributed: Distributed, store: SQLStore
     assert "unknown" in shown.output
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an atomic claim locks on the node the application is connected to (docs/citus.md)",
-)
-def test_an_atomic_claim_through_a_worker_excludes_one_through_the_coordinator(
+def _claim_and_write(node: SQLStore, scope: Scope, start: threading.Barrier) -> bool:
+    """An atomic request's transaction through ``node``: the claim, one business row, the
+    record; whether it ran (a duplicate gets no claim: busy, or the record completed)."""
+    connection = node.begin()
+    try:
+        start.wait()
+        claimed = node.claim_atomic(connection, scope, FP, ttl=600)
+        if claimed is None or not claimed.claimed:
+            return False
+        connection.execute(
+            sa.text(f"INSERT INTO {_EFFECTS} VALUES (:tenant, :key)"),
+            {"tenant": scope.tenant, "key": scope.key},
+        )
+        time.sleep(0.05)  # the claim is held while the other node's claim of the key runs
+        assert claimed.reservation is not None and claimed.reservation.complete(None)
+        connection.commit()
+        return True
+    finally:
+        connection.close()
+
+
+_EFFECTS = "citus_two_node_effects"
+
+
+def test_atomic_claims_of_one_key_through_two_nodes_run_it_once(
     citus_server: CitusCluster, distributed: Distributed, store: SQLStore
 ) -> None:
-    """Citus lets workers serve queries; two nodes' advisory locks do not exclude each other."""
-    database = sa.make_url(distributed.url).database
+    """Citus lets workers with synced metadata serve queries: two atomic claims of one key at
+    once, through the coordinator and a worker (or both workers), run the key once, whether
+    the tenant's shard is on the worker claiming or on the other one."""
+    url = distributed.url
+    database = sa.make_url(url).database
     assert database is not None
-    through_worker = create_store(citus_server.url(citus_server.workers[0], database))
-    scope = Scope("tenant-two-nodes", "POST /p", "one-key")
-    first, second = store.begin(), through_worker.begin()
+    _sql(url, f"DROP TABLE IF EXISTS {_EFFECTS}")
+    _sql(url, f"CREATE TABLE {_EFFECTS} (tenant varchar(255) NOT NULL, key text NOT NULL)")
+    _sql(
+        url,
+        f"SELECT create_distributed_table('{_EFFECTS}', 'tenant', "
+        "colocate_with => 'idempotency_keys')",
+    )
+    workers = [create_store(citus_server.url(node, database)) for node in citus_server.workers]
+    pairs = [(store, workers[0]), (store, workers[1]), (workers[0], workers[1])]
+    keys = 30
+    runs: list[int] = []
     try:
-        claimed = store.claim_atomic(first, scope, FP, ttl=600)
-        assert claimed is not None and claimed.claimed
-        duplicate = through_worker.claim_atomic(second, scope, FP, ttl=600)
-        assert duplicate is None or not duplicate.claimed, "two nodes claimed one key at once"
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for n in range(keys):
+                scope = Scope(f"two-nodes-{n}", "POST /p", f"key-{n}")
+                start = threading.Barrier(2)
+                ran = pool.map(lambda node: _claim_and_write(node, scope, start), pairs[n % 3])
+                runs.append(sum(ran))
     finally:
-        first.close()
-        second.close()
-        through_worker.engine.dispose()
+        for worker in workers:
+            worker.engine.dispose()
+    assert runs == [1] * keys, "runs per key (coordinator+worker, coordinator+worker, 2 workers)"
+    effects = _sql(url, f"SELECT key, count(*) FROM {_EFFECTS} GROUP BY key")
+    assert sorted(effects) == sorted((f"key-{n}", 1) for n in range(keys))
+    records = _sql(
+        url,
+        "SELECT key, count(*) FROM idempotency_keys WHERE tenant LIKE 'two-nodes-%' GROUP BY key",
+    )
+    assert sorted(records) == sorted((f"key-{n}", 1) for n in range(keys))
 
 
 def _prepared_transactions(url: str) -> int:
