@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import threading
 import time
 import typing as t
@@ -173,12 +174,14 @@ def _storm(
     prefix: str = "storm",
 ) -> list[t.Any]:
     """``per_key`` concurrent first attempts of each of ``keys`` keys, each retried on 409
-    and on 503 (the store was unavailable: a retry with the same key is safe)."""
+    (an atomic duplicate is refused at once while the first attempt runs) and on 503 (the
+    store was unavailable: a retry with the same key is safe), for up to a minute."""
 
     def attempt(n: int) -> t.Any:
         client = client_for()
         key = f"{prefix}-{n % keys}"
-        for _ in range(200):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             response = client.post(
                 path,
                 json={"amount": 100, "reference": key},
@@ -186,7 +189,8 @@ def _storm(
             )
             if response.status_code not in (409, 503):
                 return key, response.status_code, response.get_data()
-        raise AssertionError(f"{key} still 409 or 503 after 200 attempts")
+            time.sleep(0.01)
+        raise AssertionError(f"{key} still 409 or 503 after a minute")
 
     with concurrent.futures.ThreadPoolExecutor(per_key) as pool:
         return list(pool.map(attempt, range(keys * per_key)))
@@ -365,12 +369,17 @@ def _tenant_on_another_worker(url: str, tenant: str) -> str:
     return next(f"other-{n}" for n in range(100) if node(f"other-{n}") != home)
 
 
-def test_a_shard_move_during_a_storm_runs_each_key_once(
-    distributed: Distributed, citus_server: CitusCluster, app_factory: Factory
-) -> None:
-    """``citus_move_shard_placement`` of the tenants' shard groups while their keys storm."""
-    app, _, counter = app_factory(tenant=None)
-    tenants = [f"moving-{n}" for n in range(2)]
+def _storm_during_move(
+    distributed: Distributed,
+    citus_server: CitusCluster,
+    client_for: t.Callable[[], t.Any],
+    path: str,
+    tenant: str,
+) -> tuple[int, list[t.Any]]:
+    """Rounds of same-key storms of two tenants (``tenant``-0 and -1) while
+    ``citus_move_shard_placement`` moves their shard groups to the other worker; the rounds
+    run and every answer."""
+    tenants = [f"{tenant}-{n}" for n in range(2)]
     placements = _sql(
         distributed.url,
         "SELECT DISTINCT shardid, nodeport FROM pg_dist_shard_placement WHERE shardid IN ("
@@ -379,28 +388,25 @@ def test_a_shard_move_during_a_storm_runs_each_key_once(
         tenants=tenants,
     )
     ports = [worker.port for worker in citus_server.workers]
+    database = sa.make_url(distributed.url).database
+    assert database is not None
+    # Without the store's statement timeout: a move copies every colocated shard.
+    moves = [
+        f"SELECT citus_move_shard_placement({int(shard)}, '127.0.0.1', {int(port)}, "
+        f"'127.0.0.1', {next(p for p in ports if p != port)}, "
+        "shard_transfer_mode => 'block_writes')"
+        for shard, port in placements
+    ]
     with concurrent.futures.ThreadPoolExecutor(1) as mover:
         moved = mover.submit(
-            lambda: [
-                _sql(
-                    distributed.url,
-                    "SELECT citus_move_shard_placement(:shard, '127.0.0.1', :source, "
-                    "'127.0.0.1', :target, shard_transfer_mode => 'block_writes')",
-                    shard=shard,
-                    source=port,
-                    target=next(p for p in ports if p != port),
-                )
-                for shard, port in placements
-            ]
+            lambda: [citus_server.run(citus_server.coordinator, move, database) for move in moves]
         )
         # Rounds of new keys until the move is over: every round after the first starts while
         # the move runs.
         answers: list[t.Any] = []
         rounds = 0
         while not moved.done() or rounds == 0:
-            answers += _storm(
-                app.test_client, "/payments", 2, 4, tenant="moving", prefix=f"round-{rounds}"
-            )
+            answers += _storm(client_for, path, 2, 4, tenant=tenant, prefix=f"round-{rounds}")
             rounds += 1
         moved.result()
     after = _sql(
@@ -411,5 +417,66 @@ def test_a_shard_move_during_a_storm_runs_each_key_once(
     )
     assert all(dict(after)[shard] != port for shard, port in placements), "every shard moved"
     assert rounds > 1, "the move ended before the first round of claims did"
+    return rounds, answers
+
+
+def test_a_shard_move_during_a_storm_runs_each_key_once(
+    distributed: Distributed, citus_server: CitusCluster, app_factory: Factory
+) -> None:
+    """``citus_move_shard_placement`` of the tenants' shard groups while their keys storm."""
+    app, _, counter = app_factory(tenant=None)
+    rounds, answers = _storm_during_move(
+        distributed, citus_server, app.test_client, "/payments", tenant="moving"
+    )
     assert counter.calls == 2 * rounds, "no key ran twice, none was lost"
     assert {status for _, status, _ in answers} == {201}
+
+
+def test_a_shard_move_during_an_atomic_storm_through_two_nodes_runs_each_key_once(
+    distributed: Distributed,
+    citus_server: CitusCluster,
+    store: SQLStore,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same move while atomic requests of the moving tenants arrive through the
+    coordinator and a worker (each key through both), their orders in a table colocated with
+    the records; each view holds its claim a little, so that duplicates meet it."""
+    monkeypatch.setenv("ATOMIC_APP_SLEEP", "0.05")
+    url = distributed.url
+    database = sa.make_url(url).database
+    assert database is not None
+    orders = atomic_app.orders.name
+    _sql(url, f"DROP TABLE IF EXISTS {orders}")
+    _sql(
+        url,
+        f"CREATE TABLE {orders} (id bigserial, tenant varchar(64) NOT NULL, "
+        "reference varchar(64) NOT NULL)",
+    )
+    _sql(
+        url,
+        f"SELECT create_distributed_table('{orders}', 'tenant', "
+        "colocate_with => 'idempotency_keys')",
+    )
+    apps = [
+        atomic_app.create_app(url),
+        atomic_app.create_app(citus_server.url(citus_server.workers[0], database)),
+    ]
+    # The storm's attempts alternate between its two keys: each key gets both nodes.
+    turns = itertools.cycle([apps[0], apps[0], apps[1], apps[1]])
+    try:
+        rounds, answers = _storm_during_move(
+            distributed,
+            citus_server,
+            lambda: next(turns).test_client(),
+            "/orders",
+            tenant="moving-atomic",
+        )
+        rows = _sql(url, f"SELECT reference, count(*) FROM {orders} GROUP BY reference")
+    finally:
+        for app in apps:
+            app.extensions["idempotency"].store.engine.dispose()
+        _sql(url, f"DROP TABLE {orders}")
+    assert {status for _, status, _ in answers} == {201}
+    assert sorted(rows) == sorted((f"round-{r}-{n}", 1) for r in range(rounds) for n in range(2)), (
+        "one order per key: none ran twice, none was lost"
+    )
