@@ -287,7 +287,8 @@ def test_atomic_claims_of_one_key_through_two_nodes_run_it_once(
             for n in range(keys):
                 scope = Scope(f"two-nodes-{n}", "POST /p", f"key-{n}")
                 start = threading.Barrier(2)
-                ran = pool.map(lambda node: _claim_and_write(node, scope, start), pairs[n % 3])
+                nodes = pairs[n % 3]
+                ran = pool.map(_claim_and_write, nodes, [scope] * 2, [start] * 2)
                 runs.append(sum(ran))
     finally:
         for worker in workers:
