@@ -310,18 +310,16 @@ def _prepared_transactions(url: str) -> int:
 
 @pytest.mark.parametrize(
     ("business", "two_phase"),
-    [("local", False), ("colocated", True), ("other_tenant", True)],
+    [("local", True), ("colocated", True), ("other_tenant", True)],
 )
 def test_how_an_atomic_request_commits(
     distributed: Distributed, store: SQLStore, business: str, two_phase: bool
 ) -> None:
-    """The record and the business row commit with Citus' two-phase commit, or not at all
-    together.
+    """The record and the business row commit together, with Citus' two-phase commit.
 
-    A local business table commits on the coordinator and the record on its worker, each in
-    one phase: a crash between them keeps one without the other. A distributed business table
-    (colocated, or a row on another worker) makes Citus prepare both: the atomic claim runs on
-    the coordinator, so even a colocated row is written over another connection.
+    The atomic claim writes on the tenant's worker (its lock query deletes nothing, so that a
+    shard move waits for it), so Citus prepares the worker's transaction whether the business
+    row is local on the coordinator, colocated with the record, or on another worker.
     """
     url = distributed.url
     table = f"citus_business_{business}"

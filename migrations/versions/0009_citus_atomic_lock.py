@@ -10,10 +10,16 @@ From this revision, after its try-lock, the claim takes the same lock again by a
 tenant's rows (``idempotency_keys_default``, the partition that always exists), which Citus
 routes whole to the worker holding the tenant's shard, or runs locally when that is this node:
 ``pg_try_advisory_xact_lock`` runs there, inside this distributed transaction, and is held
-until it ends. The lookup that follows and the record's insert touch the same shard group, so
-Citus sends them over the same connection: the record becomes visible on that worker before
-the lock is released, as on one server. Every atomic claim of a tenant, through any node,
-therefore meets on one lock.
+until it ends. The query is a ``DELETE`` that deletes nothing (no row is dated before
+``-infinity``) in a CTE: as a write on the shard, it makes a shard move that blocks writes
+wait for the claim's transaction (Citus locks a modified shard's metadata until the end of the
+transaction), so the move cannot switch the tenant to another worker, where this lock is not,
+while the claim is held; with a plain ``SELECT`` a move during an atomic storm through two
+nodes ran a key twice. Being a write, it also makes Citus commit the transaction in two
+phases, also when the business rows are local on the coordinator. The lookup that follows
+and the record's insert touch the same shard group, so Citus sends them over the same
+connection: the record becomes visible on that worker before the lock is released, as on one
+server. Every atomic claim of a tenant, through any node, therefore meets on one lock.
 
 The branch is taken only where Citus is loaded (the ``citus.version`` setting exists, read
 with ``current_setting(..., true)``). On plain PostgreSQL the claim sends the same statement,
@@ -81,14 +87,21 @@ BEGIN
     -- On Citus (0009) the node running this function may be any node that accepts queries:
     -- the same lock, held until the same end, is also taken on the worker holding the
     -- tenant's shard, by a query Citus routes there whole, in this distributed transaction
-    -- (the lookup and the record's insert then go over that same connection).
+    -- (the lookup and the record's insert then go over that same connection). The query is a
+    -- write that deletes nothing (no row is dated before -infinity), so that Citus holds the
+    -- shard's metadata lock until the transaction ends: a shard move cannot switch the
+    -- tenant to another worker, where this lock is not, while the claim is held.
     IF current_setting('citus.version', true) IS NOT NULL THEN
+        WITH pinned AS (
+            DELETE FROM idempotency_keys_default AS d
+             WHERE d.tenant = p_tenant AND d.endpoint = p_endpoint AND d.key = p_key
+               AND d.created_at < '-infinity'
+            RETURNING 1)
         SELECT pg_try_advisory_xact_lock(
                    hashtext('flask_idem'),
                    hashtext(p_tenant || E'\\x1f' || p_endpoint || E'\\x1f' || p_key))
           INTO v_locked
-          FROM (SELECT count(*) FROM idempotency_keys_default AS d
-                 WHERE d.tenant = p_tenant AND d.endpoint = p_endpoint AND d.key = p_key) AS s;
+          FROM (SELECT count(*) FROM pinned) AS s;
         IF NOT v_locked THEN
             RETURN;
         END IF;
