@@ -12,10 +12,11 @@ from alembic.migration import MigrationContext
 from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
-from flask_idem import Idempotency
+from flask_idem import Idempotency, Scope
 from flask_idem.migrate import downgrade, upgrade
-from flask_idem.store import create_engine, normalize_url
+from flask_idem.store import create_engine, create_store, normalize_url
 from flask_idem.table import TABLE_NAME, VERSION_TABLE, metadata
+from flask_idem.testing.contract import FP, RESPONSE
 
 FUNCTIONS = {
     "idempotency_claim",
@@ -47,7 +48,7 @@ def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool
 
 
 #: The newest revision.
-HEAD = "0008"
+HEAD = "0009"
 
 
 def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:
@@ -82,6 +83,53 @@ def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None
         assert TABLE_NAME in sa.inspect(engine).get_table_names()
     finally:
         engine.dispose()
+
+
+def _reserve_locks_on_citus(engine: sa.Engine) -> bool:
+    with engine.connect() as conn:
+        text = conn.execute(
+            sa.text("SELECT prosrc FROM pg_proc WHERE proname = 'idempotency_claim_reserve'")
+        ).scalar_one()
+    return "citus.version" in text
+
+
+def test_upgrade_from_0008_keeps_records_and_atomic_claims(empty_url: str) -> None:
+    """Revision 0009 only replaces the atomic claim's text: a record written under 0008 still
+    answers an atomic claim of its key after the upgrade, a new key is still claimed, and the
+    downgrade puts 0008's claim back."""
+    upgrade(empty_url, "0008")
+    store = create_store(empty_url)
+    try:
+        before = Scope("tenant", "POST /p", "before-0009")
+        first = store.claim(before, FP, ttl=600, lease=30)
+        assert first.claimed and store.complete(before, first.record.claim_token, RESPONSE)
+        upgrade(empty_url)
+        with store.engine.connect() as conn:
+            version = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}"))
+            assert version.scalar_one() == "0009"
+        for revision in ("0009", "0008"):
+            connection = store.begin()
+            try:
+                replay = store.claim_atomic(connection, before, FP, ttl=600)
+                assert replay is not None and not replay.claimed
+                assert replay.record.response == RESPONSE
+                new = Scope("tenant", "POST /p", f"new-under-{revision}")
+                claimed = store.claim_atomic(connection, new, FP, ttl=600)
+                assert claimed is not None and claimed.claimed
+                if claimed.reservation is None:  # SQLite: the claim wrote the record
+                    token = claimed.record.claim_token
+                    assert store.complete(new, token, RESPONSE, connection=connection)
+                else:
+                    assert claimed.reservation.complete(RESPONSE)
+                connection.commit()
+            finally:
+                connection.close()
+            assert store.get(new) is not None
+            if store.engine.dialect.name == "postgresql":
+                assert _reserve_locks_on_citus(store.engine) is (revision == "0009")
+                downgrade(empty_url, "0008")
+    finally:
+        store.engine.dispose()
 
 
 def test_runs_beside_an_application_history(fresh_pg_database: t.Callable[[], str]) -> None:

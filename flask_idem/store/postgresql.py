@@ -42,9 +42,12 @@ Round trips
     partition instead of all of them.
 
 Citus
-    ``flask idem citus`` distributes the table by ``tenant`` and this function by ``p_tenant``;
-    every other statement is a single-tenant one Citus routes to one shard, and none returns a
-    non-immutable expression (``tests/test_citus.py`` checks both). See ``docs/citus.md``.
+    ``flask idem citus`` distributes the table by ``tenant`` and this function by ``p_tenant``.
+    The atomic claim, which Citus does not delegate inside a transaction block, takes its lock
+    again on the tenant's worker (migration 0009), so that claims through any node exclude
+    each other. Every other statement is a single-tenant one Citus routes to one shard, and
+    none returns a non-immutable expression (``tests/test_citus.py`` checks both). See
+    ``docs/citus.md``.
 
 Partitions
     ``idempotency_create_partitions(ahead)`` creates the current and ``ahead`` next partitions
