@@ -21,6 +21,8 @@ from flask_idem.record import Archive
 from flask_idem.store import SQLStore
 from flask_idem.testing import empty_store
 
+from .drivers import PG_DRIVERS, spelled_for
+
 FP = hashlib.sha256(b"request").digest()
 DAY = 86400
 ARCHIVE = Archive("idempotency_archive", DAY)
@@ -34,11 +36,11 @@ def archive_url(fresh_pg_database: t.Callable[[], str]) -> str:
     return url
 
 
-@pytest.fixture
-def store(archive_url: str) -> t.Iterator[SQLStore]:
-    """An empty store on a fresh migration's partitions (yesterday to 7 days ahead), no
-    archive schema; archiving is left for each test to switch on."""
-    store = create_store(archive_url)
+@pytest.fixture(params=PG_DRIVERS, ids=["psycopg2", "psycopg"])
+def store(request: pytest.FixtureRequest, archive_url: str) -> t.Iterator[SQLStore]:
+    """An empty store, through each driver, on a fresh migration's partitions (yesterday to
+    7 days ahead) and no archive schema; archiving is left for each test to switch on."""
+    store = create_store(spelled_for(archive_url, request.param))
     empty_store(store)
     _sql(store, "DROP SCHEMA IF EXISTS idempotency_archive CASCADE")
     _sql(store, "SELECT idempotency_create_partitions(7, false, 1)")

@@ -721,8 +721,7 @@ class PostgresStore(SQLStore):
 
 
 def _sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE behind a wrapped database error (psycopg2 and psycopg 3 both say
-    ``pgcode``), or None."""
-    cause = exc.__cause__
-    driver_error = getattr(cause, "orig", None)
-    return getattr(driver_error, "pgcode", None)
+    """The SQLSTATE behind a wrapped database error, or None (``diag.sqlstate``: psycopg2 and
+    psycopg 3 both have it)."""
+    driver_error = getattr(exc.__cause__, "orig", None)
+    return getattr(getattr(driver_error, "diag", None), "sqlstate", None)
