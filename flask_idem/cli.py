@@ -147,7 +147,9 @@ def _print_json(data: t.Any) -> None:
 def maintain(ahead: int | None, dry_run: bool, as_json: bool) -> None:
     """Create partitions ahead; drop and purge expired records.
 
-    Idempotent and safe to run from cron every few minutes.
+    With IDEMPOTENCY_ARCHIVE_RETENTION (PostgreSQL), expired partitions are detached into
+    IDEMPOTENCY_ARCHIVE_SCHEMA instead, and dropped once kept that long. Idempotent and safe
+    to run from cron every few minutes.
     """
     state = AppState.current()
     ahead = state.settings.partitions_ahead if ahead is None else ahead
@@ -156,10 +158,19 @@ def maintain(ahead: int | None, dry_run: bool, as_json: bool) -> None:
         dumped = report.as_dict()
         if not state.store.audit:
             dumped = {k: v for k, v in dumped.items() if not k.startswith("audit_")}
+        if state.store.archive is None or state.store.dialect != "postgresql":
+            dumped = {k: v for k, v in dumped.items() if not k.startswith("archive")}
         _print_json({"dialect": state.store.dialect, **dumped})
     else:
         partitioned = state.store.dialect == "postgresql"
-        click.echo(_maintenance_text(report, partitioned=partitioned, audited=state.store.audit))
+        click.echo(
+            _maintenance_text(
+                report,
+                partitioned=partitioned,
+                audited=state.store.audit,
+                archiving=partitioned and state.store.archive is not None,
+            )
+        )
 
 
 @idem_group.command("check")
@@ -192,18 +203,26 @@ def check_command(as_json: bool) -> None:
 
 
 def _maintenance_text(
-    report: MaintenanceReport, *, partitioned: bool, audited: bool = False
+    report: MaintenanceReport, *, partitioned: bool, audited: bool = False, archiving: bool = False
 ) -> str:
     verb = (
-        ("would create", "would drop", "would purge")
+        ("would create", "would drop", "would purge", "would archive")
         if report.dry_run
-        else ("created", "dropped", "purged")
+        else ("created", "dropped", "purged", "archived")
     )
     lines = []
     if partitioned:
-        for done, names in zip(verb[:2], (report.created, report.dropped), strict=True):
+        done_to_partitions = [(verb[0], report.created, "")]
+        if archiving:
+            done_to_partitions += [
+                (verb[3], report.archived, ""),
+                (verb[1], report.archive_dropped, " from the archive"),
+            ]
+        else:
+            done_to_partitions.append((verb[1], report.dropped, ""))
+        for done, names, where in done_to_partitions:
             listed = f": {', '.join(names)}" if names else ""
-            lines.append(f"{done} {_plural(len(names), 'partition')}{listed}")
+            lines.append(f"{done} {_plural(len(names), 'partition')}{where}{listed}")
     lines.append(f"{verb[2]} {_plural(report.purged, 'expired row')}")
     if audited:
         if partitioned:

@@ -8,16 +8,25 @@ an operation and retries only what is safe and useful to retry:
 answer                                          what the client does
 ==============================================  =============================================
 network error, timeout                          retry, same key (the server may have executed)
-408, 425, 429, 502, 503, 504                    retry, same key, honouring ``Retry-After``
+408, 425, 429, 500, 502, 503, 504               retry, same key, honouring ``Retry-After``
+                                                (``RetryPolicy.retry_statuses``)
 409 ``request-in-progress``                     retry after ``Retry-After``, same key
 409 ``outcome-pending``                         retry after ``Retry-After`` if the policy
                                                 leaves time, else raise :class:`OutcomePending`
-401, 403                                        raise :class:`AuthenticationFailed`: refresh
+401                                             with ``refresh_credentials``: refresh once,
+                                                retry at once with the same key; else (or
+                                                401 again) raise :class:`AuthenticationFailed`
+403                                             raise :class:`AuthenticationFailed`: fix the
                                                 credentials, retry with the same ``.key``
 422                                             raise :class:`KeyReused`: a new operation needs
                                                 a new key (a client bug)
-anything else (2xx, 400, 404, other 409, 500)   final: returned as the result
+anything else (2xx, 400, 404, other 409)        final: returned as the result
 ==============================================  =============================================
+
+A 500 is retried because a flask_idem server never stores one: its key is either given back
+(nothing was committed, so the retry runs again) or kept ``unknown`` (the retry gets 409
+``outcome-pending``), so the same key can never run twice. Against a server that stores and
+replays its 500s, take 500 out of ``retry_statuses``.
 
 Backoff is exponential with full jitter, bounded by a number of attempts and a total time.
 Install with ``pip install flask-idem[client]`` (httpx).
@@ -29,6 +38,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import email.utils
+import inspect
 import math
 import random
 import re
@@ -39,7 +49,7 @@ import httpx
 
 from .keys import KeyFormat, new_key
 
-RETRY_STATUSES = frozenset({408, 425, 429, 502, 503, 504})
+RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 IN_PROGRESS = "request-in-progress"
 PENDING = "outcome-pending"
 _DELAY_SECONDS = re.compile(r"[0-9]+", re.ASCII)
@@ -53,12 +63,14 @@ class RetryPolicy:
     :param total_timeout: seconds from the first attempt after which no retry starts.
     :param base_delay: the first backoff ceiling in seconds; it doubles per attempt.
     :param max_delay: the largest backoff ceiling.
+    :param retry_statuses: the statuses retried with the same key (the module's table).
     """
 
     max_attempts: int = 5
     total_timeout: float = 60.0
     base_delay: float = 0.2
     max_delay: float = 10.0
+    retry_statuses: frozenset[int] = RETRY_STATUSES
 
     def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
         """Full jitter: uniform in [0, min(max_delay, base_delay * 2 ** (attempt - 1))]."""
@@ -148,15 +160,28 @@ def _problem_type(response: httpx.Response) -> str:
         return ""
 
 
+#: Called with a 401 answer; returns the headers (``Authorization``...) that carry fresh
+#: credentials. The async client also accepts a coroutine function.
+RefreshCredentials = t.Callable[
+    [httpx.Response], "t.Mapping[str, str] | t.Awaitable[t.Mapping[str, str]]"
+]
+
+
 class _Operation:
     """The retry decisions of one operation, shared by the sync and async clients."""
 
-    def __init__(self, policy: RetryPolicy, key: str, clock: t.Callable[[], float]) -> None:
+    def __init__(
+        self, policy: RetryPolicy, key: str, clock: t.Callable[[], float], *, refreshable: bool
+    ) -> None:
         self.policy = policy
         self.key = key
         self.clock = clock
         self.started = clock()
         self.attempts = 0
+        self.refreshable = refreshable
+        #: Set when the last answer was a 401 to refresh the credentials for; the attempt
+        #: right after a refresh may not refresh again (wrong credentials would loop).
+        self.refresh_due = False
 
     def next_delay(self, outcome: httpx.Response | httpx.TransportError) -> float | None:
         """Seconds to wait before the next attempt, or None when ``outcome`` is final.
@@ -164,16 +189,26 @@ class _Operation:
         :raises IdempotentRequestError: the operation cannot end with a final answer.
         """
         self.attempts += 1
+        just_refreshed, self.refresh_due = self.refresh_due, False
         response = outcome if isinstance(outcome, httpx.Response) else None
         if response is not None:
-            if response.status_code in (401, 403):
+            status = response.status_code
+            if (
+                status == 401
+                and self.refreshable
+                and not just_refreshed
+                and self.attempts < self.policy.max_attempts
+            ):
+                self.refresh_due = True
+                return 0.0
+            if status in (401, 403):
                 raise AuthenticationFailed(
-                    f"{response.status_code}: refresh credentials and retry with the same key",
+                    f"{status}: refresh credentials and retry with the same key",
                     key=self.key,
                     attempts=self.attempts,
                     response=response,
                 )
-            if response.status_code == 422:
+            if status == 422:
                 raise KeyReused(
                     "422: this key was used for a different request; generate a new key for a "
                     "new operation",
@@ -181,11 +216,8 @@ class _Operation:
                     attempts=self.attempts,
                     response=response,
                 )
-            problem = _problem_type(response) if response.status_code == 409 else ""
-            if response.status_code not in RETRY_STATUSES and problem not in (
-                IN_PROGRESS,
-                PENDING,
-            ):
+            problem = _problem_type(response) if status == 409 else ""
+            if status not in self.policy.retry_statuses and problem not in (IN_PROGRESS, PENDING):
                 return None
         delay = self.policy.backoff(self.attempts)
         if response is not None:
@@ -211,23 +243,40 @@ class _Base:
         policy: RetryPolicy | None = None,
         header: str = "Idempotency-Key",
         key_format: KeyFormat = "uuid4",
+        refresh_credentials: RefreshCredentials | None = None,
     ) -> None:
         self.policy = policy or RetryPolicy()
         self.header = header
         self.key_format = key_format
+        self.refresh_credentials = refresh_credentials
 
     def _start(self, key: str | None, kwargs: dict[str, t.Any]) -> _Operation:
         key = key or new_key(self.key_format)
         headers = httpx.Headers(kwargs.pop("headers", None))
         headers[self.header] = key
         kwargs["headers"] = headers
-        return _Operation(self.policy, key, time.monotonic)
+        return _Operation(
+            self.policy, key, time.monotonic, refreshable=self.refresh_credentials is not None
+        )
+
+    def _use_credentials(
+        self, client: httpx.Client | httpx.AsyncClient, fresh: t.Any, kwargs: dict[str, t.Any]
+    ) -> None:
+        """Send ``fresh`` headers on this operation's next attempts and the client's later
+        requests; a per-request header of the same name would otherwise win over them."""
+        if not isinstance(fresh, t.Mapping):
+            raise TypeError("refresh_credentials must return a mapping of headers")
+        client.headers.update(fresh)
+        kwargs["headers"].update(fresh)
 
 
 class IdempotentClient(_Base):
     """Synchronous client: ``IdempotentClient(httpx.Client(base_url=...)).post(...)``.
 
     :param client: the httpx client to send with (its base URL, auth, timeouts apply).
+    :param policy: how long and how often to retry (:class:`RetryPolicy`).
+    :param refresh_credentials: called with a 401 answer, returns fresh credential headers;
+        the operation is then retried at once with the same key.
     """
 
     def __init__(self, client: httpx.Client, **options: t.Any) -> None:
@@ -239,8 +288,9 @@ class IdempotentClient(_Base):
     ) -> IdempotentResult:
         """Send one logical operation, retrying with the same key until a final answer.
 
-        :param key: the operation's key, persisted by the caller before the first send;
-            generated once when omitted (then read it from the result or the error).
+        :param key: the operation's key, persisted by the caller before the first send
+            (:class:`flask_idem.outbox.Outbox` does that); generated once when omitted (then
+            read it from the result or the error).
         """
         operation = self._start(key, kwargs)
         while True:
@@ -253,6 +303,9 @@ class IdempotentClient(_Base):
             if delay is None:
                 assert isinstance(outcome, httpx.Response)
                 return IdempotentResult(outcome, operation.key, operation.attempts)
+            if operation.refresh_due:
+                assert self.refresh_credentials is not None and isinstance(outcome, httpx.Response)
+                self._use_credentials(self.client, self.refresh_credentials(outcome), kwargs)
             time.sleep(delay)
 
     def post(self, url: str, **kwargs: t.Any) -> IdempotentResult:
@@ -260,7 +313,8 @@ class IdempotentClient(_Base):
 
 
 class AsyncIdempotentClient(_Base):
-    """Asynchronous twin of :class:`IdempotentClient` on ``httpx.AsyncClient``."""
+    """Asynchronous twin of :class:`IdempotentClient` on ``httpx.AsyncClient``;
+    ``refresh_credentials`` may be a coroutine function."""
 
     def __init__(self, client: httpx.AsyncClient, **options: t.Any) -> None:
         super().__init__(**options)
@@ -281,6 +335,12 @@ class AsyncIdempotentClient(_Base):
             if delay is None:
                 assert isinstance(outcome, httpx.Response)
                 return IdempotentResult(outcome, operation.key, operation.attempts)
+            if operation.refresh_due:
+                assert self.refresh_credentials is not None and isinstance(outcome, httpx.Response)
+                fresh = self.refresh_credentials(outcome)
+                if inspect.isawaitable(fresh):
+                    fresh = await fresh
+                self._use_credentials(self.client, fresh, kwargs)
             await asyncio.sleep(delay)
 
     async def post(self, url: str, **kwargs: t.Any) -> IdempotentResult:

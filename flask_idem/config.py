@@ -11,6 +11,7 @@ import urllib.parse
 import sqlalchemy as sa
 
 from .errors import ConfigurationError
+from .record import Archive
 from .sealing import DEFAULT_COMPRESS_MIN, EncryptionKey, parse_keys
 
 #: Seven years of 365 days: audit rows are kept as long as a payment ledger usually is.
@@ -43,12 +44,16 @@ DEFAULTS: dict[str, t.Any] = {
     "IDEMPOTENCY_REQUIRE_ENCRYPTED": False,
     "IDEMPOTENCY_AUDIT": False,
     "IDEMPOTENCY_AUDIT_RETENTION": AUDIT_RETENTION,
+    "IDEMPOTENCY_ARCHIVE_RETENTION": None,
+    "IDEMPOTENCY_ARCHIVE_SCHEMA": "idempotency_archive",
     "IDEMPOTENCY_METRICS": False,
     "IDEMPOTENCY_METRICS_TENANT_LABEL": False,
     "IDEMPOTENCY_OPENTELEMETRY": False,
 }
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an HTTP field name (RFC 9110 token)
+#: A schema name used unquoted in DDL; ``pg_`` names are PostgreSQL's own.
+_SCHEMA = re.compile(r"^(?!pg_)[a-z_][a-z0-9_]{0,62}$")
 _METHODS = {"POST", "PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS"}
 
 #: Upper bounds of the numeric settings: every value must be finite, fit the database's
@@ -62,6 +67,7 @@ MAXIMA: dict[str, float] = {
     "IDEMPOTENCY_PARTITIONS_AHEAD": 366,
     "IDEMPOTENCY_COMPRESS_MIN": 64 * 1024 * 1024,  # no snapshot is larger (MAX_BODY's maximum)
     "IDEMPOTENCY_AUDIT_RETENTION": 100 * 366 * 86400,
+    "IDEMPOTENCY_ARCHIVE_RETENTION": 100 * 366 * 86400,
 }
 
 
@@ -101,6 +107,8 @@ class Settings:
     audit: bool = False
     #: Seconds audit rows are kept; None: for ever.
     audit_retention: float | None = AUDIT_RETENTION
+    #: Expired partitions detached into a schema before they are dropped; None: dropped.
+    archive: Archive | None = None
     #: Prometheus counters and histograms, fed by the transition signals.
     metrics: bool = False
     #: Counters carry a ``tenant`` label (one series per tenant: mind the cardinality).
@@ -212,6 +220,15 @@ class Settings:
             if value["IDEMPOTENCY_AUDIT_RETENTION"] is None
             else number("IDEMPOTENCY_AUDIT_RETENTION", minimum=86400)
         )
+        archive = None
+        if value["IDEMPOTENCY_ARCHIVE_RETENTION"] is not None:
+            schema = value["IDEMPOTENCY_ARCHIVE_SCHEMA"]
+            if not isinstance(schema, str) or not _SCHEMA.fullmatch(schema):
+                raise ConfigurationError(
+                    "IDEMPOTENCY_ARCHIVE_SCHEMA must be a lowercase SQL name (letters, digits, "
+                    "underscores; not pg_...)"
+                )
+            archive = Archive(schema, number("IDEMPOTENCY_ARCHIVE_RETENTION", minimum=3600))
         header = names("IDEMPOTENCY_HEADER")
         if len(header) != 1:
             raise ConfigurationError("IDEMPOTENCY_HEADER must be one header name")
@@ -241,6 +258,7 @@ class Settings:
             enabled=flag("IDEMPOTENCY_ENABLED"),
             audit=flag("IDEMPOTENCY_AUDIT"),
             audit_retention=retention,
+            archive=archive,
             metrics=flag("IDEMPOTENCY_METRICS"),
             metrics_tenant_label=flag("IDEMPOTENCY_METRICS_TENANT_LABEL"),
             opentelemetry=flag("IDEMPOTENCY_OPENTELEMETRY"),

@@ -132,6 +132,7 @@ class Idempotency:
         )
         store.use_sealer(Sealer.from_settings(settings))
         store.use_audit(settings.audit, settings.audit_retention)
+        store.use_archive(settings.archive)
         guard_commits(store.engine)
         if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(store, settings.partitions_ahead)

@@ -27,7 +27,8 @@ A request whose answer could not be stored (503) counts ``store_unavailable`` an
 Gauges that describe the table (``idempotency_in_progress_records``,
 ``idempotency_lease_expired_records``, ``idempotency_unknown_records``,
 ``idempotency_reopened_records``, ``idempotency_oldest_in_progress_age_seconds``,
-``idempotency_partitions_ahead``, ``idempotency_table_up``) are computed by one query when
+``idempotency_partitions_ahead``, ``idempotency_archived_partitions`` (with
+``IDEMPOTENCY_ARCHIVE_RETENTION``), ``idempotency_table_up``) are computed by one query when
 :func:`view` is scraped or ``flask idem metrics`` runs, never kept per process.
 
 Under gunicorn with several workers, set ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory
@@ -210,6 +211,11 @@ class TableCollector:
                 "partitions_ahead",
                 "Partitions ready after the current one.",
                 health.partitions_ahead,
+            ),
+            (
+                "archived_partitions",
+                "Expired partitions detached into the archive schema, not dropped yet.",
+                health.archived_partitions,
             ),
         ):
             if value is not None:

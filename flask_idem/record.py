@@ -129,6 +129,19 @@ class KeyUsage:
 
 
 @dataclasses.dataclass(frozen=True)
+class Archive:
+    """Expired partitions kept out of the hot table for a while before they are dropped
+    (``IDEMPOTENCY_ARCHIVE_RETENTION``; PostgreSQL only, SQLite has no partitions).
+
+    :param schema: where detached partitions go (``IDEMPOTENCY_ARCHIVE_SCHEMA``).
+    :param retention: seconds an archived partition is kept after it was detached.
+    """
+
+    schema: str
+    retention: float
+
+
+@dataclasses.dataclass(frozen=True)
 class MaintenanceReport:
     """What one maintenance run did (or, on a dry run, would do)."""
 
@@ -141,6 +154,10 @@ class MaintenanceReport:
     audit_created: tuple[str, ...] = ()
     audit_dropped: tuple[str, ...] = ()
     audit_purged: int = 0
+    #: With an :class:`Archive`: expired partitions detached into its schema (instead of
+    #: ``dropped``), and archived ones dropped past its retention.
+    archived: tuple[str, ...] = ()
+    archive_dropped: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, t.Any]:
         return dataclasses.asdict(self)
@@ -159,3 +176,5 @@ class Health:
     oldest_in_progress_age: float | None
     #: Partitions ready after the current one (PostgreSQL); None on SQLite.
     partitions_ahead: int | None = None
+    #: Partitions in the archive schema (PostgreSQL with an :class:`Archive`); else None.
+    archived_partitions: int | None = None

@@ -4,6 +4,11 @@ For the first ``drop`` connections it forwards the request, waits until the serv
 answering (so the server has processed the request and committed), then closes the client's
 socket without passing a byte on. Later connections are forwarded untouched. ``close()`` cuts
 every connection and refuses new ones, as if the server behind it went down.
+
+Two faults leave the client waiting instead, for a test to kill it at a known point (``faulted``
+is set when the point is reached): the first ``hold`` connections have their request read and
+kept, never forwarded (the server never hears of it); the first ``withhold`` connections are
+forwarded, and the answer is swallowed once the server starts it (the server has executed).
 """
 
 from __future__ import annotations
@@ -16,9 +21,16 @@ import threading
 class FaultProxy:
     """Forward 127.0.0.1:<port> to an upstream port, dropping the first answers."""
 
-    def __init__(self, upstream_port: int, *, drop: int = 0) -> None:
+    def __init__(
+        self, upstream_port: int, *, drop: int = 0, hold: int = 0, withhold: int = 0
+    ) -> None:
+        if sum(1 for count in (drop, hold, withhold) if count) > 1:
+            raise ValueError("one fault per proxy: drop, hold or withhold")
         self.upstream_port = upstream_port
         self.drop = drop
+        self.hold = hold
+        self.withhold = withhold
+        self.faulted = threading.Event()
         self.connections = 0
         self.requests: list[bytes] = []
         self._sockets: list[socket.socket] = []
@@ -46,7 +58,46 @@ class FaultProxy:
             with self._lock:
                 self.connections += 1
                 dropping = self.connections <= self.drop
-            threading.Thread(target=self._serve, args=(client, dropping), daemon=True).start()
+                holding = self.connections <= self.hold
+                withholding = self.connections <= self.withhold
+            if holding:
+                target, args = self._hold, (client,)
+            elif withholding:
+                target, args = self._withhold, (client,)
+            else:
+                target, args = self._serve, (client, dropping)
+            threading.Thread(target=target, args=args, daemon=True).start()
+
+    def _hold(self, client: socket.socket) -> None:
+        """Read the whole request, forward nothing, and keep the client waiting until it goes."""
+        with self._lock:
+            self._sockets.append(client)
+        received = bytearray()
+        with client, contextlib.suppress(OSError):
+            while not _complete(received) and (chunk := client.recv(65536)):
+                received.extend(chunk)
+            with self._lock:
+                self.requests.append(bytes(received))
+            self.faulted.set()
+            while client.recv(65536):
+                pass
+
+    def _withhold(self, client: socket.socket) -> None:
+        """Forward the request, swallow the answer, and keep the client waiting until it goes."""
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=30)
+        with self._lock:
+            self._sockets += [client, upstream]
+        received = bytearray()
+        with client, upstream, contextlib.suppress(OSError):
+            while not _complete(received) and (chunk := client.recv(65536)):
+                received.extend(chunk)
+            upstream.sendall(received)
+            upstream.recv(1)  # the server finished the request: its answer never reaches
+            with self._lock:
+                self.requests.append(bytes(received))
+            self.faulted.set()
+            while client.recv(65536):
+                pass
 
     def _serve(self, client: socket.socket, dropping: bool) -> None:
         upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=30)
@@ -78,3 +129,15 @@ class FaultProxy:
             while chunk := source.recv(65536):
                 seen.extend(chunk)
                 target.sendall(chunk)
+
+
+def _complete(received: bytearray) -> bool:
+    """Whether ``received`` holds a whole HTTP request with a ``Content-Length`` body."""
+    head, separator, body = bytes(received).partition(b"\r\n\r\n")
+    if not separator:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return True

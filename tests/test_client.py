@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import email.utils
 import json
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flask_idem.client import (
+    RETRY_STATUSES,
     AsyncIdempotentClient,
     AuthenticationFailed,
     IdempotentClient,
@@ -71,7 +73,7 @@ def test_transient_failures_are_retried_with_one_key() -> None:
     assert KEY_PATTERN.fullmatch(result.key)
 
 
-@pytest.mark.parametrize("status", [408, 425, 429, 502, 503, 504])
+@pytest.mark.parametrize("status", [408, 425, 429, 500, 502, 503, 504])
 def test_retryable_statuses(status: int) -> None:
     script = Script(httpx.Response(status), httpx.Response(201))
     assert _client(script).post("/x", key="op-1").attempts == 2
@@ -83,7 +85,6 @@ def test_retryable_statuses(status: int) -> None:
     [
         httpx.Response(400),
         httpx.Response(404),
-        httpx.Response(500),
         _problem(409, "response-not-stored"),
         httpx.Response(201),
     ],
@@ -120,6 +121,102 @@ def test_auth_failures_raise_with_the_key_to_retry_with(status: int) -> None:
     with pytest.raises(AuthenticationFailed) as info:
         _client(Script(httpx.Response(status))).post("/x", key="op-1")
     assert info.value.key == "op-1"
+
+
+class Credentials:
+    """A refresh hook that hands out a new token per call and counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, response: httpx.Response) -> dict[str, str]:
+        self.calls.append(response.status_code)
+        return {"Authorization": f"Bearer fresh-{len(self.calls)}"}
+
+
+class Recorder(Script):
+    """A script that also remembers the Authorization header of every request."""
+
+    def __init__(self, *answers: httpx.Response | Exception) -> None:
+        super().__init__(*answers)
+        self.authorizations: list[str | None] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.authorizations.append(request.headers.get("Authorization"))
+        return super().__call__(request)
+
+
+def _refreshing_client(script: Script, credentials: Credentials) -> IdempotentClient:
+    http = httpx.Client(
+        transport=httpx.MockTransport(script),
+        base_url="http://api",
+        headers={"Authorization": "Bearer expired"},
+    )
+    return IdempotentClient(http, policy=FAST, refresh_credentials=credentials)
+
+
+def test_a_401_refreshes_the_credentials_and_retries_with_the_same_key() -> None:
+    script = Recorder(httpx.Response(401), httpx.Response(201), httpx.Response(201))
+    credentials = Credentials()
+    client = _refreshing_client(script, credentials)
+    result = client.post("/x", key="op-1")
+    assert result.response.status_code == 201 and result.attempts == 2
+    assert script.keys == ["op-1", "op-1"] and credentials.calls == [401]
+    assert script.authorizations == ["Bearer expired", "Bearer fresh-1"]
+    client.post("/x", key="op-2")
+    assert script.authorizations[-1] == "Bearer fresh-1", "later operations keep the new token"
+
+
+def test_fresh_credentials_win_over_a_per_request_header() -> None:
+    script = Recorder(httpx.Response(401), httpx.Response(201))
+    client = _refreshing_client(script, Credentials())
+    client.post("/x", key="op-1", headers={"Authorization": "Bearer per-request"})
+    assert script.authorizations == ["Bearer per-request", "Bearer fresh-1"]
+
+
+def test_a_401_right_after_a_refresh_raises_instead_of_looping() -> None:
+    script = Script(httpx.Response(401), httpx.Response(401))
+    credentials = Credentials()
+    with pytest.raises(AuthenticationFailed) as info:
+        _refreshing_client(script, credentials).post("/x", key="op-1")
+    assert info.value.key == "op-1" and info.value.attempts == 2
+    assert credentials.calls == [401] and script.keys == ["op-1", "op-1"]
+
+
+def test_a_403_is_not_refreshed() -> None:
+    credentials = Credentials()
+    with pytest.raises(AuthenticationFailed):
+        _refreshing_client(Script(httpx.Response(403)), credentials).post("/x", key="op-1")
+    assert credentials.calls == [], "new credentials do not grant a missing permission"
+
+
+def test_a_refresh_hook_that_returns_no_headers_is_refused() -> None:
+    http = httpx.Client(transport=httpx.MockTransport(Script(httpx.Response(401))))
+    client = IdempotentClient(http, policy=FAST, refresh_credentials=lambda response: None)
+    with pytest.raises(TypeError, match="mapping of headers"):
+        client.post("http://api/x", key="op-1")
+
+
+def test_async_client_awaits_a_coroutine_refresh_hook() -> None:
+    script = Recorder(httpx.Response(401), httpx.Response(201))
+
+    async def refresh(response: httpx.Response) -> dict[str, str]:
+        return {"Authorization": "Bearer async-fresh"}
+
+    async def run() -> t.Any:
+        transport = httpx.MockTransport(script)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+            client = AsyncIdempotentClient(http, policy=FAST, refresh_credentials=refresh)
+            return await client.post("/x", key="op-1")
+
+    assert asyncio.run(run()).attempts == 2
+    assert script.authorizations == [None, "Bearer async-fresh"] and script.keys == ["op-1"] * 2
+
+
+def test_a_500_is_final_when_the_policy_says_so() -> None:
+    policy = dataclasses.replace(FAST, retry_statuses=RETRY_STATUSES - {500})
+    result = _client(Script(httpx.Response(500)), policy).post("/x")
+    assert result.attempts == 1 and result.response.status_code == 500
 
 
 def test_attempts_are_bounded() -> None:

@@ -15,7 +15,16 @@ import typing as t
 import sqlalchemy as sa
 
 from ..errors import ConfigurationError
-from ..record import ClaimResult, Health, KeyUsage, MaintenanceReport, Record, Scope, StoredResponse
+from ..record import (
+    Archive,
+    ClaimResult,
+    Health,
+    KeyUsage,
+    MaintenanceReport,
+    Record,
+    Scope,
+    StoredResponse,
+)
 from ..sealing import Sealer
 from ..trail import AuditEntry
 
@@ -36,6 +45,10 @@ class Store(abc.ABC):
         #: Seconds audit rows are kept (None: forever); enforced by :meth:`maintain`.
         self.audit_retention: float | None = None
         self._audit_configured = False
+        #: Where :meth:`maintain` moves expired partitions instead of dropping them (None:
+        #: dropped at once).
+        self.archive: Archive | None = None
+        self._archive_configured = False
 
     def use_audit(self, enabled: bool, retention: float | None = None) -> None:
         """Audit every state transition (``IDEMPOTENCY_AUDIT``; ``init_app`` calls this).
@@ -52,6 +65,21 @@ class Store(abc.ABC):
             )
         self.audit, self.audit_retention = wanted
         self._audit_configured = True
+
+    def use_archive(self, archive: Archive | None) -> None:
+        """Archive expired partitions (``IDEMPOTENCY_ARCHIVE_*``; ``init_app`` calls this).
+
+        :raises ConfigurationError: the store already serves an application that archives
+            differently.
+        """
+        if self._archive_configured and archive != self.archive:
+            raise ConfigurationError(
+                "this store already serves an application with another "
+                "IDEMPOTENCY_ARCHIVE_RETENTION or IDEMPOTENCY_ARCHIVE_SCHEMA; give each "
+                "application its own store"
+            )
+        self.archive = archive
+        self._archive_configured = True
 
     def use_sealer(self, sealer: Sealer) -> None:
         """Seal snapshots as an application's settings say (``init_app`` calls this).
@@ -220,6 +248,10 @@ class Store(abc.ABC):
 
     def partitions_ahead(self) -> int | None:
         """Partitions ready after the current one; None where the table is not partitioned."""
+        return None
+
+    def archived_partitions(self) -> int | None:
+        """Partitions waiting in the archive; None without partitions or an archive."""
         return None
 
     @abc.abstractmethod

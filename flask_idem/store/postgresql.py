@@ -72,7 +72,7 @@ import typing as t
 import sqlalchemy as sa
 
 from ..errors import ConfigurationError, StoreUnavailable
-from ..record import ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
+from ..record import Archive, ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
 from ..table import DEFAULT_PARTITION
 from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
@@ -177,6 +177,35 @@ _CURRENT_PARTITION = sa.text(
     "WHERE i.inhparent = 'idempotency_keys'::regclass "
     f"AND {_BOUND.format('FROM')} <= now() AND now() < {_BOUND.format('TO')}"
 )
+# Archived partitions (an Archive configured): tables of the archive schema named like a
+# partition and marked by flask_idem when it detached them, the mark holding the time. A table
+# without the mark (put there by someone else) is never dropped.
+_ARCHIVED_MARK = "flask_idem archived at "
+_ARCHIVED_AT = (
+    "substring(obj_description(c.oid, 'pg_class') "
+    "FROM '^flask_idem archived at ([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9:.]+[+-][0-9:]+)$')"
+    "::timestamptz"
+)
+_ARCHIVED = (
+    "FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = :schema AND c.relkind = 'r' "
+    f"AND c.relname ~ '^idempotency_keys_p[0-9]{{8}}$' AND {_ARCHIVED_AT} IS NOT NULL"
+)
+_COUNT_ARCHIVED = sa.text(f"SELECT count(*) {_ARCHIVED}")
+_ARCHIVED_PAST_RETENTION = sa.text(
+    f"SELECT c.relname {_ARCHIVED} "
+    f"AND {_ARCHIVED_AT} + make_interval(secs => :retention) <= now() ORDER BY c.relname"
+)
+# Still a partition, and nothing in it live: checked again under the parent's exclusive lock,
+# as idempotency_drop_expired_partitions() does before a drop (a frozen owner's late renewal
+# could have made a row live since the candidates were listed).
+_STILL_EXPIRED = (
+    "SELECT EXISTS (SELECT 1 FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+    "WHERE i.inhparent = 'idempotency_keys'::regclass AND c.relname = :name) "
+    "AND NOT EXISTS (SELECT 1 FROM {partition} WHERE NOT ({expired}))"
+)
+#: SQLSTATE lock_not_available: lock_timeout ran out.
+_LOCK_NOT_AVAILABLE = "55P03"
 #: Expired rows deleted from DEFAULT per transaction.
 PURGE_BATCH = 5000
 #: How long upkeep waits for a lock that claims need too (claims queue behind the wait).
@@ -555,10 +584,80 @@ class PostgresStore(SQLStore):
             created = []
             for step in range(ahead + 1):
                 created += self._maintenance_step(_CREATE_PARTITIONS, ahead=step, dry_run=False)
-        # Claims wait behind the drop's exclusive lock: give up quickly, retry next run.
-        dropped = self._maintenance_step(_DROP_PARTITIONS, dry_run=dry_run)
-        report = MaintenanceReport(tuple(created), tuple(dropped), purged, dry_run)
+        if self.archive is None:
+            # Claims wait behind the drop's exclusive lock: give up quickly, retry next run.
+            dropped = self._maintenance_step(_DROP_PARTITIONS, dry_run=dry_run)
+            report = MaintenanceReport(tuple(created), tuple(dropped), purged, dry_run)
+        else:
+            report = MaintenanceReport(
+                tuple(created),
+                (),
+                purged,
+                dry_run,
+                archived=tuple(self._archive_expired(self.archive, dry_run)),
+                archive_dropped=tuple(self._drop_archived(self.archive, dry_run)),
+            )
         return self._maintain_audit(report) if self.audit else report
+
+    def _archive_expired(self, archive: Archive, dry_run: bool) -> list[str]:
+        """Detach into the archive schema the partitions the drop would drop.
+
+        The candidates are the drop function's own (listed by its dry run); each moves in a
+        transaction of its own, under the lock order the drop uses (flask_idem's maintenance
+        lock, then the parent table), so claims wait behind at most one short detach.
+        """
+        candidates = self._maintenance_step(_DROP_PARTITIONS, dry_run=True)
+        if dry_run or not candidates:
+            return candidates
+        quote = self.engine.dialect.identifier_preparer.quote
+        schema = quote(archive.schema)
+        with translate_errors(), self.engine.begin() as conn:
+            conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+        archived = []
+        for name in candidates:
+            partition = quote(name)
+            still_expired = sa.text(_STILL_EXPIRED.format(partition=partition, expired=_EXPIRED))
+            try:
+                with translate_errors(), self.engine.begin() as conn:
+                    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{MAINTENANCE_LOCK_TIMEOUT}'")
+                    conn.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtext('flask_idem'), 0)")
+                    conn.exec_driver_sql("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+                    if not conn.execute(still_expired, {"name": name}).scalar_one():
+                        continue
+                    archived_at = conn.execute(sa.text("SELECT now()")).scalar_one()
+                    conn.exec_driver_sql(
+                        f"ALTER TABLE idempotency_keys DETACH PARTITION {partition}"
+                    )
+                    conn.exec_driver_sql(f"ALTER TABLE {partition} SET SCHEMA {schema}")
+                    # A literal (COMMENT takes no parameters) of flask_idem's own timestamp.
+                    mark = f"{_ARCHIVED_MARK}{archived_at.isoformat()}"
+                    conn.exec_driver_sql(f"COMMENT ON TABLE {schema}.{partition} IS '{mark}'")
+            except StoreUnavailable as exc:
+                if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
+                    raise
+                continue  # the table stayed busy: the partition is archived next run
+            archived.append(name)
+        return archived
+
+    def _drop_archived(self, archive: Archive, dry_run: bool) -> list[str]:
+        """Drop the archived partitions kept for the archive's retention since detached."""
+        parameters = {"schema": archive.schema, "retention": archive.retention}
+        with translate_errors(), self.engine.connect() as conn:
+            due = list(conn.execute(_ARCHIVED_PAST_RETENTION, parameters).scalars())
+        if dry_run:
+            return due
+        quote = self.engine.dialect.identifier_preparer.quote
+        for name in due:
+            with translate_errors(), self.engine.begin() as conn:
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{MAINTENANCE_LOCK_TIMEOUT}'")
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {quote(archive.schema)}.{quote(name)}")
+        return due
+
+    def archived_partitions(self) -> int | None:
+        if self.archive is None:
+            return None
+        with translate_errors(), self.engine.connect() as conn:
+            return int(conn.execute(_COUNT_ARCHIVED, {"schema": self.archive.schema}).scalar_one())
 
     def _maintain_audit(self, report: MaintenanceReport) -> MaintenanceReport:
         """Monthly audit partitions ahead; whole months past the retention dropped (rows of
@@ -623,3 +722,10 @@ class PostgresStore(SQLStore):
             # lock: never make them wait long; a partition left out is taken next run.
             conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{MAINTENANCE_LOCK_TIMEOUT}'")
             return list(conn.execute(statement, parameters).scalars())
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE behind a wrapped database error, or None (``diag.sqlstate``: psycopg2 and
+    psycopg 3 both have it)."""
+    driver_error = getattr(exc.__cause__, "orig", None)
+    return getattr(getattr(driver_error, "diag", None), "sqlstate", None)

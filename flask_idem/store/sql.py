@@ -738,6 +738,7 @@ class SQLStore(Store):
             reopened=row.reopened,
             oldest_in_progress_age=None if oldest is None else (now - oldest).total_seconds(),
             partitions_ahead=self.partitions_ahead(),
+            archived_partitions=self.archived_partitions(),
         )
 
     def history(self, tenant: str, key: str, endpoint: str | None = None) -> list[AuditEntry]:
