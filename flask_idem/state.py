@@ -57,6 +57,8 @@ class AppState:
     #: A Flask-SQLAlchemy registered on the app whose session flask_idem does not settle (the
     #: store runs on another database): its writes left uncommitted by a view are warned of.
     unmanaged_db: t.Any = None
+    #: Endpoints whose view guard was entered under the outer guard's claim (logged once).
+    guards_not_found: set[str] = dataclasses.field(default_factory=set)
 
     def begin(self, state: RequestState) -> sa.Connection:
         """The request's business transaction, opened on first use: the connection of the
@@ -136,6 +138,9 @@ class RequestState:
     session: t.Any = None
     #: True while flask_idem itself commits or rolls the session back.
     settling: bool = False
+    #: The claim was made by the outer guard around the whole view function (not by the
+    #: view's own ``@idem.idempotent``, which the guard search did not find).
+    claimed_around_view: bool = False
 
     def flush(self) -> None:
         """Write the session's pending ORM changes into the business transaction."""
