@@ -29,6 +29,7 @@ from .events import emit as emit  # re-exported: flow and jobs emit through here
 from .options import Recovery
 from .record import ClaimResult, Record, State, StoredResponse
 from .state import AppState, RequestState
+from .store.messages import redacted
 from .store.sql import translate_errors
 
 log = logging.getLogger("flask_idem")
@@ -200,5 +201,5 @@ def rollback(state: RequestState) -> None:
     if state.connection is not None or state.session is not None:
         try:
             state.rollback()
-        except sa.exc.SQLAlchemyError:
-            log.warning("rollback of the business transaction failed", exc_info=True)
+        except sa.exc.SQLAlchemyError as exc:
+            log.warning("rollback of the business transaction failed", exc_info=redacted(exc))

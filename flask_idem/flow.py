@@ -120,6 +120,7 @@ from .sealing import unreadable_problem
 from .sessions import has_unmanaged_writes
 from .state import AppState, RequestState
 from .store.guards import one_deadline
+from .store.messages import redacted
 from .store.sql import translate_errors
 
 P = t.ParamSpec("P")
@@ -521,10 +522,14 @@ def _tenant(app_state: AppState) -> str:
         tenant = app_state.extension.current_tenant()
     except HTTPException:
         raise  # the callable's own answer (abort(401) for a request without credentials)
-    except Exception:
+    except Exception as exc:
         # ``tenant=lambda: g.tenant`` on a request no authentication hook ran for: a refusal
-        # that says what is wrong, never a bare 500.
-        log.exception("the tenant callable raised; the request is refused (tenant-unresolved)")
+        # that says what is wrong, never a bare 500. (A tenant looked up by API key in the
+        # database: the failed statement's parameters are the credential.)
+        log.error(
+            "the tenant callable raised; the request is refused (tenant-unresolved)",
+            exc_info=redacted(exc),
+        )
         tenant = None
     if tenant is None:
         log.error(

@@ -49,6 +49,7 @@ from .jobs import JOB_ATTRIBUTE
 from .keys import key_hash
 from .record import Record, State, StoredResponse
 from .state import AppState
+from .store.messages import redacted
 
 log = logging.getLogger("flask_idem")
 
@@ -209,7 +210,7 @@ def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> S
         return Settlement(record, Action.UNKNOWN, str(exc))
     except Exception as exc:
         # One failing lookup must not stop the run: the record stays and is reported.
-        log.exception("reconciler failed", extra={"key_hash": digest})
+        log.error("reconciler failed", exc_info=redacted(exc), extra={"key_hash": digest})
         return Settlement(record, Action.UNKNOWN, f"reconciler failed: {type(exc).__name__}")
     if response is None and record.state is State.REOPENED:
         return Settlement(record, Action.SKIPPED, "already reopened: the next retry runs it")

@@ -97,33 +97,6 @@ def translate_errors() -> t.Iterator[None]:
         raise missing from exc
 
 
-#: SQLSTATE classes whose messages may quote the values of a row (data exceptions, integrity
-#: violations): only their name is shown.
-_VALUE_BEARING = ("22", "23")
-
-
-def database_message(exc: BaseException) -> str | None:
-    """The database's own words for the failure behind ``exc`` (its cause chain), or None.
-
-    PostgreSQL's primary message and detail (Citus explains its refusals in the detail), one
-    line, so that an operator sees why a statement failed; never the statement or its
-    parameters, and never the messages of the classes that may quote a row's values.
-    """
-    while exc is not None and not isinstance(exc, sa.exc.DBAPIError):
-        exc = exc.__cause__  # type: ignore[assignment]
-    if exc is None:
-        return None
-    driver_error = exc.orig
-    diagnostics = getattr(driver_error, "diag", None)
-    if diagnostics is None or diagnostics.message_primary is None:
-        return str(driver_error).strip().splitlines()[0] if str(driver_error).strip() else None
-    code = str(getattr(driver_error, "pgcode", "") or "")
-    if code[:2] in _VALUE_BEARING:
-        return f"{type(driver_error).__name__} (SQLSTATE {code})"
-    parts = [diagnostics.message_primary, diagnostics.message_detail]
-    return ": ".join(" ".join(part.split()) for part in parts if part)
-
-
 def _undefined(exc: sa.exc.SQLAlchemyError) -> str | None:
     """What the failed statement found missing, in the database's words, or None.
 
