@@ -430,6 +430,8 @@ def answer_existing(
 ) -> ClaimResult | Response | None:
     """What a claim that found a record leads to: a problem (raised), a replay, a takeover to
     run the view with, or None to claim again after a short wait."""
+    if record.damaged is not None:
+        raise unreadable_problem(record)  # neither replayed, compared nor taken over
     found = classify(record, digest, options.recovery)
     if found is Found.MISMATCH:
         emit(signals.mismatch, record.scope, state=record.state.value)

@@ -202,6 +202,8 @@ class _Unsettled(Exception):
 def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> Settlement:
     digest = key_hash(record.scope)
     try:
+        if record.damaged is not None:
+            raise _Unsettled(f"damaged: {record.damaged}; repair or delete the row")
         if reconciler is None:
             raise _Unsettled("no reconciler for this endpoint")
         verdict = reconciler(record)

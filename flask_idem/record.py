@@ -66,6 +66,11 @@ class Record:
     #: Why the stored response cannot be read (then ``response`` is None although the record
     #: completed): its key is not configured, or it fails authentication. Never replayed.
     unreadable: str | None = None
+    #: Why the row itself cannot be trusted (a timestamp column holds no timestamp: SQLite
+    #: keeps any text), or None. Its timestamps read as ``now``; no claim, job or reconciler
+    #: acts on it (a retry gets 503 ``stored-response-unreadable``) until an operator repairs
+    #: or deletes it.
+    damaged: str | None = None
 
     @property
     def lease_expired(self) -> bool:

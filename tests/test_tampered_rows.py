@@ -15,7 +15,7 @@ import flask
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Idempotency
+from flask_idem import Idempotency, Verdict
 from flask_idem.sealing import MAGIC
 from flask_idem.store import SQLStore
 
@@ -136,3 +136,68 @@ def test_sqlite_header_text_that_is_no_json_is_unreadable(
     assert _post(app).status_code == 201
     _tamper(store, "response_headers = :headers", headers=text)
     _retry_is_unreadable(app, counter)
+
+
+#: Timestamp columns the claim's SQL does not compare with the clock.
+TIMESTAMPS = ("created_at", "lease_expires_at", "completed_at")
+
+
+def _sqlite_only(store: SQLStore) -> None:
+    if store.engine.dialect.name != "sqlite":
+        pytest.skip("timestamptz accepts only timestamps")
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        *((column, value) for column in TIMESTAMPS for value in ("garbage", "", 5)),
+        # What sorts before the clock is an expired expires_at (a new record), as in SQL.
+        ("expires_at", "garbage"),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("state", ["completed", "unknown", "in_progress"])
+def test_a_sqlite_timestamp_that_is_no_timestamp_is_unreadable(
+    app_factory: t.Callable[..., App], store: SQLStore, state: str, column: str, value: t.Any
+) -> None:
+    """SQLite keeps any value in a timestamp column: the claim that finds the row answers
+    503, never 500, and neither replays nor takes over the record."""
+    _sqlite_only(store)
+    app, _, counter = app_factory()
+    assert _post(app).status_code == 201
+    _tamper(store, f"state = :state, {column} = :value", state=state, value=value)
+    _retry_is_unreadable(app, counter)
+
+
+def test_one_sqlite_row_with_a_broken_timestamp_stops_no_other_tenants_reconciliation(
+    app_factory: t.Callable[..., App], store: SQLStore
+) -> None:
+    """``flask idem reconcile`` reports the damaged row and settles every other record; the
+    operator page lists the stuck records."""
+    _sqlite_only(store)
+    app, idem, _ = app_factory()
+    settled: list[str] = []
+
+    def reconcile(record: t.Any) -> t.Any:
+        settled.append(record.scope.tenant)
+        return Verdict.not_happened()
+
+    idem.reconciler("POST /payments")(reconcile)
+    idem.operator_access(lambda: True)
+    client = app.test_client()
+    for tenant in ("alpha", "beta"):
+        headers = {"Idempotency-Key": "tampered-1", "X-Tenant": tenant}
+        assert client.post("/payments", json={"amount": 1}, headers=headers).status_code == 201
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE idempotency_keys SET state = 'unknown'"))
+        conn.execute(
+            sa.text("UPDATE idempotency_keys SET lease_expires_at = 'garbage' WHERE tenant = 'alpha'")
+        )
+    assert client.get("/idempotency/operator").status_code == 200
+    result = app.test_cli_runner().invoke(args=["idem", "reconcile", "--json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    answer = json.loads(result.stdout)
+    actions = {r["tenant"]: (r["action"], r["reason"]) for r in answer["records"]}
+    assert actions["alpha"][0] == "unknown" and "lease_expires_at" in actions["alpha"][1]
+    assert actions["beta"][0] != "unknown"
+    assert settled == ["beta"], "the damaged row never reaches the reconciler"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 import logging
@@ -133,21 +134,30 @@ def record_from_row(
     m = row._mapping
     if scope is None:
         scope = Scope(m["tenant"], m["endpoint"], m["key"])
-    return build_record(
+    now = _aware(m["db_now"]) if now is None else now
+    assert now is not None
+    names = ("lease_expires_at", "created_at", "completed_at", "expires_at")
+    damaged = [name for name in names if not isinstance(m[name], dt.datetime | None)]
+    stamps = {name: now if name in damaged else _aware(m[name]) for name in names}
+    record = build_record(
         scope,
         sealer,
         m["fingerprint"],
         m["state"],
         m["claim_token"],
-        _aware(m["lease_expires_at"]),
+        stamps["lease_expires_at"],
         m["response_status"],
         m["response_headers"],
         m["response_body"],
-        _aware(m["created_at"]),
-        _aware(m["completed_at"]),
-        _aware(m["expires_at"]),
-        _aware(m["db_now"]) if now is None else now,
+        stamps["created_at"],
+        stamps["completed_at"],
+        stamps["expires_at"],
+        now,
     )
+    if not damaged:
+        return record
+    reason = f"the row's {', '.join(damaged)} holds no timestamp"
+    return dataclasses.replace(record, damaged=reason, unreadable=record.unreadable or reason)
 
 
 def build_record(
