@@ -71,6 +71,7 @@ nothing is ever ``unknown``). A duplicate that finds the scope locked answers 40
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -115,7 +116,7 @@ from .problem import (
     StoreUnavailableProblem,
     TenantUnresolved,
 )
-from .record import ClaimResult, Record, Scope, StoredResponse
+from .record import STORABLE_STATUSES, ClaimResult, Record, Scope, StoredResponse
 from .sealing import unreadable_problem
 from .sessions import has_unmanaged_writes
 from .state import AppState, RequestState
@@ -444,7 +445,7 @@ def answer_existing(
             raise unreadable_problem(record)  # never a replay of garbage, never a re-run
         assert record.response is not None
         emit(signals.replayed, record.scope, status=record.response.status)
-        return replay(record.response, options)
+        return replay(record.response, options, app_state.settings.stored_headers)
     if found is Found.UNSTORED:
         emit(signals.not_stored, record.scope)
         raise ResponseNotStored(
@@ -472,8 +473,17 @@ def answer_existing(
     return take_over(app_state, record, app_state.settings.lease)
 
 
-def replay(stored: StoredResponse, options: ViewOptions) -> Response:
-    """The answer to a retry: the stored response byte for byte, or the view's ``replay=``."""
+def replay(stored: StoredResponse, options: ViewOptions, headers: frozenset[str]) -> Response:
+    """The answer to a retry: the stored response byte for byte, or the view's ``replay=``.
+
+    Only the stored headers named in ``headers`` (``IDEMPOTENCY_STORED_HEADERS``) are sent:
+    a completion stores no other, so another one in the row was written by something else
+    (a tampered row could carry ``Set-Cookie`` or ``Connection: upgrade``), or under an older
+    setting. A 204 or 304 goes out without a body, as the first answer did (werkzeug sends
+    none with these statuses), whatever body was stored with it.
+    """
+    kept = tuple((name, value) for name, value in stored.headers if name.lower() in headers)
+    stored = dataclasses.replace(stored, headers=kept)
     if options.replay is not None:
         response = current_app.make_response(options.replay(stored))
     else:
@@ -640,7 +650,10 @@ def finish(response: Response) -> Response:
     if state.refused:
         give_up(app_state, state, "the view refused the request")
         return response
-    if response.status_code in app_state.settings.never_store:
+    if (
+        response.status_code in app_state.settings.never_store
+        or response.status_code not in STORABLE_STATUSES
+    ):
         give_up(app_state, state, f"status {response.status_code} is never stored")
         return response
     if app_state.unmanaged_db is not None and has_unmanaged_writes(app_state.unmanaged_db):

@@ -47,7 +47,7 @@ from .events import emit
 from .flow import response_snapshot
 from .jobs import JOB_ATTRIBUTE
 from .keys import key_hash
-from .record import Record, State, StoredResponse
+from .record import STORABLE_STATUSES, Record, State, StoredResponse
 from .state import AppState
 from .store.messages import redacted
 
@@ -253,6 +253,8 @@ def _response_of(state: AppState, verdict: object) -> StoredResponse | None:
         return None
     assert verdict.response is not None
     response = current_app.make_response(verdict.response)
+    if response.status_code not in STORABLE_STATUSES:
+        raise _Unsettled(f"status {response.status_code} is not a final answer")
     if response.status_code in state.settings.never_store:
         # A request answering this status would have released its key; storing it would
         # replay a transient failure forever.

@@ -40,6 +40,26 @@ class Scope:
     key: str
 
 
+#: The statuses a completion stores and a replay sends: final answers only. An interim 1xx
+#: (101 Switching Protocols hands the connection over) never ends a request.
+STORABLE_STATUSES = range(200, 600)
+#: Headers never stored or replayed, whatever ``IDEMPOTENCY_STORED_HEADERS`` says: they
+#: describe one connection or one message's framing (RFC 9110, section 7.6.1), which the
+#: server sets for the replay itself.
+UNREPLAYABLE_HEADERS = frozenset(
+    {
+        "connection",
+        "content-length",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class StoredResponse:
     """The part of a response that is replayed to retries."""

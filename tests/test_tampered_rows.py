@@ -15,7 +15,7 @@ import flask
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Idempotency, Verdict
+from flask_idem import ConfigurationError, Idempotency, Verdict
 from flask_idem.sealing import MAGIC
 from flask_idem.store import SQLStore
 
@@ -103,7 +103,7 @@ def test_a_plain_row_with_malformed_headers_is_unreadable(
     _retry_is_unreadable(app, counter)
 
 
-@pytest.mark.parametrize("status", [0, -1, 99, 600, 1000])
+@pytest.mark.parametrize("status", [0, -1, 99, 100, 101, 199, 600, 1000])
 def test_a_plain_row_with_an_impossible_status_is_unreadable(
     app_factory: t.Callable[..., App], store: SQLStore, status: int
 ) -> None:
@@ -111,6 +111,58 @@ def test_a_plain_row_with_an_impossible_status_is_unreadable(
     assert _post(app).status_code == 201
     _tamper(store, "response_status = :status", status=status)
     _retry_is_unreadable(app, counter)
+
+
+def test_a_plain_row_replays_only_the_headers_a_completion_stores(
+    app_factory: t.Callable[..., App], store: SQLStore
+) -> None:
+    """Headers outside ``IDEMPOTENCY_STORED_HEADERS`` in a row (a per-request cookie, a
+    connection upgrade, framing) were written by something else: the replay drops them."""
+    app, _, counter = app_factory()
+    assert _post(app).status_code == 201
+    forged = [
+        ["Location", "/payments/pay_1"],
+        ["Set-Cookie", "session=attacker"],
+        ["Connection", "upgrade"],
+        ["Upgrade", "websocket"],
+        ["Transfer-Encoding", "chunked"],
+        ["Content-Length", "99"],
+        ["X-Request-Id", "forged"],
+    ]
+    _tamper(store, f"response_headers = {_headers_json(store)}", headers=json.dumps(forged))
+    retry = _post(app)
+    assert retry.status_code == 201 and retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.headers["Location"] == "/payments/pay_1"
+    for name in ("Set-Cookie", "Connection", "Upgrade", "Transfer-Encoding", "X-Request-Id"):
+        assert name not in retry.headers
+    assert retry.headers["Content-Length"] == str(len(retry.get_data()))
+    assert counter.calls == 1
+
+
+@pytest.mark.parametrize("name", ["Connection", "upgrade", "Transfer-Encoding", "Content-Length"])
+def test_connection_and_framing_headers_cannot_be_configured_as_stored(
+    store: SQLStore, name: str
+) -> None:
+    app = flask.Flask("stored-headers")
+    app.config["IDEMPOTENCY_STORED_HEADERS"] = ("Location", name)
+    with pytest.raises(ConfigurationError, match=name.lower()):
+        Idempotency(app, store=store, tenant=lambda: "alpha")
+
+
+@pytest.mark.parametrize("status", [101, 103])
+def test_an_interim_status_is_never_stored(
+    app_factory: t.Callable[..., App], store: SQLStore, status: int
+) -> None:
+    """A 1xx never ends a request: a view answering one is given up as for
+    ``IDEMPOTENCY_NEVER_STORE``, never replayed."""
+    app, _, counter = app_factory()
+    client = app.test_client()
+    answers = [
+        client.post(f"/status/{status}", headers={"Idempotency-Key": "interim"}) for _ in range(2)
+    ]
+    assert [answer.status_code for answer in answers] == [status, status]
+    assert "Idempotent-Replayed" not in answers[1].headers
+    assert counter.calls == 2
 
 
 def test_a_forged_envelope_with_deeply_nested_headers_is_unreadable(
