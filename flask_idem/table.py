@@ -29,7 +29,6 @@ metadata = sa.MetaData(
 )
 
 
-
 class _StoredTimestamp(sa.TypeDecorator[t.Any]):
     """A timestamp that reads a value which is no timestamp as that value, unparsed.
 

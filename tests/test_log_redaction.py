@@ -105,7 +105,8 @@ def test_a_failed_statement_is_described_without_its_statement_parameters_or_row
     finally:
         engine.dispose()
     assert SECRET in str(raised.value)  # what a plain log.exception would show
-    record = logging.LogRecord("t", logging.ERROR, __file__, 1, "failed", (), redacted(raised.value))
+    exc_info = redacted(raised.value)
+    record = logging.LogRecord("t", logging.ERROR, __file__, 1, "failed", (), exc_info)
     logged = logging.Formatter().format(record)
     assert "in test_a_failed_statement" in logged, "the traceback's frames are kept"
     assert "IntegrityError" in logged and "SQLSTATE 23505" in logged

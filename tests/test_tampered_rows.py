@@ -242,9 +242,8 @@ def test_one_sqlite_row_with_a_broken_timestamp_stops_no_other_tenants_reconcili
         assert client.post("/payments", json={"amount": 1}, headers=headers).status_code == 201
     with store.engine.begin() as conn:
         conn.execute(sa.text("UPDATE idempotency_keys SET state = 'unknown'"))
-        conn.execute(
-            sa.text("UPDATE idempotency_keys SET lease_expires_at = 'garbage' WHERE tenant = 'alpha'")
-        )
+        damage = "UPDATE idempotency_keys SET lease_expires_at = 'garbage' WHERE tenant = 'alpha'"
+        conn.execute(sa.text(damage))
     assert client.get("/idempotency/operator").status_code == 200
     result = app.test_cli_runner().invoke(args=["idem", "reconcile", "--json"])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
