@@ -75,6 +75,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import itertools
 import logging
 import time
 import types
@@ -180,7 +181,8 @@ def find_guard(view: t.Any, method: str) -> t.Any:
             continue
         if isinstance(held, list | tuple | set | frozenset | dict):
             seen.add(id(held))
-            pending.extend(held.values() if isinstance(held, dict) else held)
+            items = held.values() if isinstance(held, dict) else held
+            pending.extend(itertools.islice(items, _SEARCH_LIMIT))  # a large one costs no more
             continue
         if not callable(held):
             continue

@@ -16,13 +16,13 @@ import typing as t
 
 import sqlalchemy as sa
 
+from ..errors import IdempotencyError
+
 #: SQLSTATE classes whose messages may quote the values of a row (data exceptions, integrity
 #: violations): only their name is shown.
 _VALUE_BEARING = ("22", "23")
 #: Modules of the drivers' own exceptions (the cause of SQLAlchemy's ``DBAPIError``).
 _DRIVERS = ("psycopg2", "psycopg", "sqlite3")
-#: How many links of a cause chain are rendered.
-_CHAIN_LIMIT = 10
 
 
 def database_message(exc: BaseException) -> str | None:
@@ -39,8 +39,9 @@ def database_message(exc: BaseException) -> str | None:
 
 
 def describe(exc: BaseException) -> str:
-    """``exc`` and its causes in one line, safe to log: each one's class name, and for a
-    driver's error the database's words as :func:`database_message` shows them."""
+    """``exc`` and its causes in one line, safe to log: each one's class name, for a driver's
+    error the database's words as :func:`database_message` shows them, for flask_idem's own
+    errors their message."""
     return "; caused by ".join(_line(error) for error in _chain(exc))
 
 
@@ -49,20 +50,36 @@ class Redacted(Exception):
     the traceback the original's frames (code lines, never values), and nothing chained."""
 
 
-def redacted(exc: BaseException) -> tuple[type[Redacted], Redacted, types.TracebackType | None]:
-    """``exc_info`` for a log call about ``exc``: the traceback of ``exc``, its message and
-    causes rendered by :func:`describe` (``log.error(..., exc_info=redacted(exc))``)."""
+ExcInfo = tuple[type[BaseException], BaseException, types.TracebackType | None]
+
+
+def redacted(exc: BaseException) -> ExcInfo:
+    """``exc_info`` for a log call about ``exc`` (``log.error(..., exc_info=redacted(exc))``).
+
+    An exception with a database error anywhere in its chain (what Python's traceback
+    prints: causes and contexts) is replaced by a :class:`Redacted` with the traceback of
+    ``exc`` and the chain rendered by :func:`describe`; any other is logged as it is (it
+    holds no statement).
+    """
+    chain = _chain(exc)
+    if not any(isinstance(error, sa.exc.SQLAlchemyError) or _is_driver(error) for error in chain):
+        return type(exc), exc, exc.__traceback__
     return Redacted, Redacted(describe(exc)), exc.__traceback__
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc``, then what caused it (``raise ... from``, or the exception being handled)."""
+    """``exc``, then what caused it (``raise ... from``, or the exception being handled), as
+    far as Python's traceback would print it."""
     chain: list[BaseException] = []
     error: BaseException | None = exc
-    while error is not None and len(chain) < _CHAIN_LIMIT and error not in chain:
+    while error is not None and all(error is not seen for seen in chain):
         chain.append(error)
         error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     return chain
+
+
+def _is_driver(error: BaseException) -> bool:
+    return type(error).__module__.split(".")[0] in _DRIVERS
 
 
 def _line(error: BaseException) -> str:
@@ -70,11 +87,13 @@ def _line(error: BaseException) -> str:
     if isinstance(error, sa.exc.SQLAlchemyError):
         # Its message repeats the statement, the parameters and the driver's whole message.
         return f"{name} (statement not shown)"
-    if type(error).__module__.split(".")[0] in _DRIVERS:
+    if _is_driver(error):
         words = _driver_words(error)
         return f"{name}: {words}" if words else name
-    message = str(error)
-    return f"{name}: {message}" if message else name
+    if isinstance(error, IdempotencyError) and str(error):
+        return f"{name}: {error}"  # flask_idem's own messages name no values
+    # Another exception chained with a database error may quote it (``f"failed: {exc}"``).
+    return name
 
 
 def _driver_words(driver_error: t.Any) -> str | None:
