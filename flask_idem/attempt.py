@@ -30,6 +30,7 @@ from .options import Recovery
 from .record import ClaimResult, Record, State, StoredResponse
 from .sessions import replaced, roll_back_fresh
 from .state import AppState, RequestState
+from .store.messages import redacted
 from .store.sql import translate_errors
 
 log = logging.getLogger("flask_idem")
@@ -221,5 +222,5 @@ def rollback(state: RequestState) -> None:
     if state.connection is not None or state.session is not None:
         try:
             state.rollback()
-        except sa.exc.SQLAlchemyError:
-            log.warning("rollback of the business transaction failed", exc_info=True)
+        except sa.exc.SQLAlchemyError as exc:
+            log.warning("rollback of the business transaction failed", exc_info=redacted(exc))

@@ -25,7 +25,7 @@ import typing as t
 import sqlalchemy as sa
 
 from .errors import IdempotencyError
-from .store.sql import database_message
+from .store.messages import database_message
 
 TABLE = "idempotency_keys"
 DISTRIBUTION_COLUMN = "tenant"

@@ -32,7 +32,7 @@ from .record import KeyUsage, MaintenanceReport, Record, Scope, State
 from .sealing import KEY_ID_PATTERN, KEY_ID_SIZE, generate_key
 from .serialization import record_schema
 from .state import AppState
-from .store.sql import database_message
+from .store.messages import database_message
 from .trail import AuditEntry
 
 P = t.ParamSpec("P")

@@ -11,7 +11,7 @@ import urllib.parse
 import sqlalchemy as sa
 
 from .errors import ConfigurationError
-from .record import Archive
+from .record import UNREPLAYABLE_HEADERS, Archive
 from .sealing import DEFAULT_COMPRESS_MIN, EncryptionKey, parse_keys
 
 #: Seven years of 365 days: audit rows are kept as long as a payment ledger usually is.
@@ -182,6 +182,13 @@ class Settings:
             raise ConfigurationError("IDEMPOTENCY_NEVER_STORE must be HTTP status codes") from None
         if not all(100 <= code <= 599 for code in never_store):
             raise ConfigurationError("IDEMPOTENCY_NEVER_STORE must be HTTP status codes")
+        stored_headers = frozenset(h.lower() for h in names("IDEMPOTENCY_STORED_HEADERS"))
+        if stored_headers & UNREPLAYABLE_HEADERS:
+            raise ConfigurationError(
+                "IDEMPOTENCY_STORED_HEADERS: "
+                f"{', '.join(sorted(stored_headers & UNREPLAYABLE_HEADERS))} describe one "
+                "connection or message, and the server sets them for a replay: remove them"
+            )
         base = str(value["IDEMPOTENCY_PROBLEM_BASE"])
         parsed_base = urllib.parse.urlsplit(base)
         if not parsed_base.scheme or not (parsed_base.netloc or parsed_base.path):
@@ -244,7 +251,7 @@ class Settings:
             protect_all=flag("IDEMPOTENCY_PROTECT_ALL"),
             max_body=number("IDEMPOTENCY_MAX_BODY", minimum=0, integer=True),
             max_request_body=number("IDEMPOTENCY_MAX_REQUEST_BODY", minimum=0, integer=True),
-            stored_headers=frozenset(h.lower() for h in names("IDEMPOTENCY_STORED_HEADERS")),
+            stored_headers=stored_headers,
             never_store=never_store,
             problem_base=base if base.endswith(("/", ":")) else base + "/",
             wait=number("IDEMPOTENCY_WAIT", minimum=0),

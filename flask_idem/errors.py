@@ -42,6 +42,13 @@ class ConfigurationError(IdempotencyError, ValueError):
     """An ``IDEMPOTENCY_*`` setting or constructor argument is invalid."""
 
 
+class GuardNotFound(ConfigurationError):
+    """An ``@idem.idempotent`` guard was entered under the claim of the outer guard that
+    ``protect_blueprint`` or ``IDEMPOTENCY_PROTECT_ALL`` puts around the whole view: the
+    decorators above it (authorization) ran after the claim. The view is not run; the request
+    fails as if it had raised (500)."""
+
+
 class UnreadableResponse(IdempotencyError):
     """A stored response cannot be decoded: malformed, encrypted with a key that is not
     configured, or failing authentication. The message names key ids, never key material."""

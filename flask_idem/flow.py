@@ -71,11 +71,14 @@ nothing is ever ``unknown``). A duplicate that finds the scope locked answers 40
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
+import itertools
 import logging
 import time
+import types
 import typing as t
 
 from flask import Request, current_app, request
@@ -100,7 +103,7 @@ from .attempt import (
 from .body import read_body
 from .commits import count_commits_from_now
 from .config import Settings
-from .errors import StoreUnavailable
+from .errors import GuardNotFound, StoreUnavailable
 from .fingerprint import fingerprint as canonical_fingerprint
 from .keys import InvalidKey, check_key, echo_of_invalid, key_hash, read_key
 from .options import ViewOptions
@@ -116,11 +119,12 @@ from .problem import (
     StoreUnavailableProblem,
     TenantUnresolved,
 )
-from .record import ClaimResult, Record, Scope, StoredResponse
+from .record import STORABLE_STATUSES, ClaimResult, Record, Scope, StoredResponse
 from .sealing import unreadable_problem
 from .sessions import has_unmanaged_writes
 from .state import AppState, RequestState
 from .store.guards import OneDeadline
+from .store.messages import redacted
 from .store.sql import translate_errors
 
 P = t.ParamSpec("P")
@@ -162,52 +166,102 @@ def guard(view: t.Callable[P, R], options: ViewOptions | None = None) -> t.Calla
 def find_guard(view: t.Any, method: str) -> t.Any:
     """The ``@idem.idempotent`` guard inside a view function, or None.
 
-    Looks through decorators (``__wrapped__``, or closures of decorators that did not use
-    ``functools.wraps``), what a decorator's wrapper holds when it is no function (a
-    ``functools.partial``'s function and arguments, a bound method's function and object, a
-    callable object's attributes) and class-based views (``MethodView``: the method's
-    function). A guard missed here would claim before the decorators above it ran: an
-    authorization decorator among them would come too late to refuse a replay.
+    Looks through decorators (``__wrapped__``, closures, default arguments), what a
+    decorator's wrapper holds when it is no function (a ``functools.partial``'s function and
+    arguments, a bound method's function and object, a callable object's attributes, in
+    ``__dict__`` or ``__slots__``), the lists, tuples, sets and dicts any of these hold, and
+    class-based views (``MethodView``: the method's function). The search is bounded and
+    cannot see everything (a module-level registry, say): a guard it misses refuses to run
+    under the outer guard's claim (:class:`~flask_idem.errors.GuardNotFound`), because the
+    decorators above it would come too late to refuse a replay.
     """
     pending: list[t.Any] = [view]
     seen: set[int] = set()
     while pending and len(seen) < _SEARCH_LIMIT:
-        function = pending.pop()
-        if id(function) in seen or not callable(function):
+        held = pending.pop()
+        if id(held) in seen:
             continue
-        seen.add(id(function))
-        found = getattr(function, GUARD_ATTRIBUTE, None)
+        if isinstance(held, list | tuple | set | frozenset | dict):
+            seen.add(id(held))
+            items = held.values() if isinstance(held, dict) else held
+            pending.extend(itertools.islice(items, _SEARCH_LIMIT))  # a large one costs no more
+            continue
+        if not callable(held):
+            continue
+        seen.add(id(held))
+        found = getattr(held, GUARD_ATTRIBUTE, None)
         if found is not None:
             return found
-        view_class = getattr(function, "view_class", None)
+        view_class = getattr(held, "view_class", None)
         if view_class is not None:
             pending.append(getattr(view_class, method.lower(), None))
-        pending.append(getattr(function, "__wrapped__", None))
-        for cell in getattr(function, "__closure__", None) or ():
-            try:
-                pending.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        pending.extend(_held_callables(function))
+        pending.append(getattr(held, "__wrapped__", None))
+        pending.extend(_held_callables(held))
     return None
 
 
 def _held_callables(wrapper: t.Any) -> list[t.Any]:
-    """What a wrapper that is no plain function may call: a partial's function and
-    arguments, a bound method's function and object, an object's attributes (never a
-    class's: those are every method of the class, not the one this request calls)."""
+    """What a wrapper may call: a function's closure cells and default arguments, a partial's
+    function and arguments, a bound method's function and object, an object's attributes
+    (never a class's: those are every method of the class, not the one this request calls)."""
     if isinstance(wrapper, functools.partial):
         return [wrapper.func, *wrapper.args, *wrapper.keywords.values()]
     if inspect.ismethod(wrapper):
         return [wrapper.__func__, *_attributes(wrapper.__self__)]
-    if isinstance(wrapper, type) or inspect.isfunction(wrapper):
+    if inspect.isfunction(wrapper):
+        return [
+            *_cells(wrapper),
+            *(wrapper.__defaults__ or ()),
+            *(wrapper.__kwdefaults__ or {}).values(),
+        ]
+    if isinstance(wrapper, type):
         return []
     return _attributes(wrapper)
 
 
+def _cells(function: types.FunctionType) -> list[t.Any]:
+    contents = []
+    for cell in function.__closure__ or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return contents
+
+
 def _attributes(holder: t.Any) -> list[t.Any]:
+    """An object's attribute values, in its ``__dict__`` and in the ``__slots__`` of its
+    class and the classes it inherits from."""
     attributes = getattr(holder, "__dict__", None)
-    return list(attributes.values()) if isinstance(attributes, dict) else []
+    values = list(attributes.values()) if isinstance(attributes, dict) else []
+    for cls in type(holder).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            try:
+                values.append(getattr(holder, name))
+            except AttributeError:  # declared, never set
+                continue
+    return values
+
+
+def _guard_not_found(app_state: AppState) -> GuardNotFound:
+    """The refusal of a view guard entered under the outer guard's claim, logged once per
+    endpoint (it is a mistake in the application's code, the same on every request)."""
+    endpoint = request.endpoint or request.path
+    if endpoint not in app_state.guards_not_found:
+        app_state.guards_not_found.add(endpoint)
+        log.error(
+            "endpoint %r: its @idem.idempotent guard sits under a decorator flask_idem could "
+            "not see through, so protect_blueprint/IDEMPOTENCY_PROTECT_ALL claimed before that "
+            "decorator ran; every request to it is refused with 500. Write decorators above "
+            "@idem.idempotent with functools.wraps, or put authorization in a before_request "
+            "hook",
+            endpoint,
+        )
+    return GuardNotFound(
+        f"the @idem.idempotent guard of endpoint {endpoint!r} was not found under the "
+        "decorators above it; the outer guard claimed first"
+    )
 
 
 # -- enter: claim, or answer from the existing record ---------------------------------------
@@ -226,6 +280,10 @@ def enter(
     call = view if plain else current_app.ensure_sync(view)
     state = RequestState.current()
     if state is not None and state.scope is not None:
+        if declared is not None and state.claimed_around_view:
+            # The outer guard claimed before the decorators above this guard: they would run
+            # after a replay was decided. Fail like a view exception, never run the view.
+            raise _guard_not_found(app_state)
         return run(call, args, kwargs)  # claimed already, by an outer guard
     if declared is None and find_guard(view, request.method) is not None:
         return run(call, args, kwargs)  # the view's own guard claims, after its decorators
@@ -244,6 +302,8 @@ def enter(
         if answer is not None:
             return answer
     state = RequestState.current()
+    if state is not None and declared is None:
+        state.claimed_around_view = True
     if state is None or state.token is None:
         unclaimed(app_state, options)
     return run(call, args, kwargs)
@@ -377,6 +437,8 @@ def answer_existing(
 ) -> ClaimResult | Response | None:
     """What a claim that found a record leads to: a problem (raised), a replay, a takeover to
     run the view with, or None to claim again after a short wait."""
+    if record.damaged is not None:
+        raise unreadable_problem(record)  # neither replayed, compared nor taken over
     found = classify(record, digest, options.recovery)
     if found is Found.MISMATCH:
         emit(signals.mismatch, record.scope, state=record.state.value)
@@ -389,7 +451,7 @@ def answer_existing(
             raise unreadable_problem(record)  # never a replay of garbage, never a re-run
         assert record.response is not None
         emit(signals.replayed, record.scope, status=record.response.status)
-        return replay(record.response, options)
+        return replay(record.response, options, app_state.settings.stored_headers)
     if found is Found.UNSTORED:
         emit(signals.not_stored, record.scope)
         raise ResponseNotStored(
@@ -417,8 +479,17 @@ def answer_existing(
     return take_over(app_state, record, app_state.settings.lease)
 
 
-def replay(stored: StoredResponse, options: ViewOptions) -> Response:
-    """The answer to a retry: the stored response byte for byte, or the view's ``replay=``."""
+def replay(stored: StoredResponse, options: ViewOptions, headers: frozenset[str]) -> Response:
+    """The answer to a retry: the stored response byte for byte, or the view's ``replay=``.
+
+    Only the stored headers named in ``headers`` (``IDEMPOTENCY_STORED_HEADERS``) are sent:
+    a completion stores no other, so another one in the row was written by something else
+    (a tampered row could carry ``Set-Cookie`` or ``Connection: upgrade``), or under an older
+    setting. A 204 or 304 goes out without a body, as the first answer did (werkzeug sends
+    none with these statuses), whatever body was stored with it.
+    """
+    kept = tuple((name, value) for name, value in stored.headers if name.lower() in headers)
+    stored = dataclasses.replace(stored, headers=kept)
     if options.replay is not None:
         response = current_app.make_response(options.replay(stored))
     else:
@@ -469,10 +540,14 @@ def _tenant(app_state: AppState) -> str:
         tenant = app_state.extension.current_tenant()
     except HTTPException:
         raise  # the callable's own answer (abort(401) for a request without credentials)
-    except Exception:
+    except Exception as exc:
         # ``tenant=lambda: g.tenant`` on a request no authentication hook ran for: a refusal
-        # that says what is wrong, never a bare 500.
-        log.exception("the tenant callable raised; the request is refused (tenant-unresolved)")
+        # that says what is wrong, never a bare 500. (A tenant looked up by API key in the
+        # database: the failed statement's parameters are the credential.)
+        log.error(
+            "the tenant callable raised; the request is refused (tenant-unresolved)",
+            exc_info=redacted(exc),
+        )
         tenant = None
     if tenant is None:
         log.error(
@@ -585,7 +660,10 @@ def finish(response: Response) -> Response:
     if state.refused:
         give_up(app_state, state, "the view refused the request")
         return response
-    if response.status_code in app_state.settings.never_store:
+    if (
+        response.status_code in app_state.settings.never_store
+        or response.status_code not in STORABLE_STATUSES
+    ):
         give_up(app_state, state, f"status {response.status_code} is never stored")
         return response
     if app_state.unmanaged_db is not None and has_unmanaged_writes(app_state.unmanaged_db):

@@ -205,6 +205,16 @@ def _claim(app_state: AppState, state: RequestState, digest: bytes) -> Record | 
         )
         if not claim.claimed:
             record = claim.record
+            if record.damaged is not None:
+                log.error(
+                    "stored job record damaged: %s",
+                    record.damaged,
+                    extra={"key_hash": key_hash(state.scope)},
+                )
+                raise JobResultUnreadable(
+                    f"job {options.name}: its stored record is damaged ({record.damaged}); "
+                    "redeliver once an operator has repaired or deleted it"
+                )
             found = classify(record, digest, options.recovery)
             if found is Found.COMPLETED:
                 if record.unreadable is not None:

@@ -19,6 +19,7 @@ import time
 from .errors import StoreUnavailable
 from .record import Record
 from .store.base import Store
+from .store.messages import redacted
 
 log = logging.getLogger("flask_idem")
 
@@ -88,8 +89,8 @@ class LeaseKeeper:
                     lease=watch.lease,
                     created_at=record.created_at,
                 )
-            except StoreUnavailable:
-                log.warning("lease renewal failed; retrying", exc_info=True)
+            except StoreUnavailable as exc:
+                log.warning("lease renewal failed; retrying", exc_info=redacted(exc))
                 renewed = True  # not lost: try again at the next tick
             if not renewed:
                 # Taken over or finished: stop renewing. The owner's own completion is fenced

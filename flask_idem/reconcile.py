@@ -47,8 +47,9 @@ from .events import emit
 from .flow import response_snapshot
 from .jobs import JOB_ATTRIBUTE
 from .keys import key_hash
-from .record import Record, State, StoredResponse
+from .record import STORABLE_STATUSES, Record, State, StoredResponse
 from .state import AppState
+from .store.messages import redacted
 
 log = logging.getLogger("flask_idem")
 
@@ -201,6 +202,8 @@ class _Unsettled(Exception):
 def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> Settlement:
     digest = key_hash(record.scope)
     try:
+        if record.damaged is not None:
+            raise _Unsettled(f"damaged: {record.damaged}; repair or delete the row")
         if reconciler is None:
             raise _Unsettled("no reconciler for this endpoint")
         verdict = reconciler(record)
@@ -209,7 +212,7 @@ def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> S
         return Settlement(record, Action.UNKNOWN, str(exc))
     except Exception as exc:
         # One failing lookup must not stop the run: the record stays and is reported.
-        log.exception("reconciler failed", extra={"key_hash": digest})
+        log.error("reconciler failed", exc_info=redacted(exc), extra={"key_hash": digest})
         return Settlement(record, Action.UNKNOWN, f"reconciler failed: {type(exc).__name__}")
     if response is None and record.state is State.REOPENED:
         return Settlement(record, Action.SKIPPED, "already reopened: the next retry runs it")
@@ -250,6 +253,8 @@ def _response_of(state: AppState, verdict: object) -> StoredResponse | None:
         return None
     assert verdict.response is not None
     response = current_app.make_response(verdict.response)
+    if response.status_code not in STORABLE_STATUSES:
+        raise _Unsettled(f"status {response.status_code} is not a final answer")
     if response.status_code in state.settings.never_store:
         # A request answering this status would have released its key; storing it would
         # replay a transient failure forever.

@@ -40,6 +40,26 @@ class Scope:
     key: str
 
 
+#: The statuses a completion stores and a replay sends: final answers only. An interim 1xx
+#: (101 Switching Protocols hands the connection over) never ends a request.
+STORABLE_STATUSES = range(200, 600)
+#: Headers never stored or replayed, whatever ``IDEMPOTENCY_STORED_HEADERS`` says: they
+#: describe one connection or one message's framing (RFC 9110, section 7.6.1), which the
+#: server sets for the replay itself.
+UNREPLAYABLE_HEADERS = frozenset(
+    {
+        "connection",
+        "content-length",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class StoredResponse:
     """The part of a response that is replayed to retries."""
@@ -66,6 +86,11 @@ class Record:
     #: Why the stored response cannot be read (then ``response`` is None although the record
     #: completed): its key is not configured, or it fails authentication. Never replayed.
     unreadable: str | None = None
+    #: Why the row itself cannot be trusted (a timestamp column holds no timestamp: SQLite
+    #: keeps any text), or None. Its timestamps read as ``now``; no claim, job or reconciler
+    #: acts on it (a retry gets 503 ``stored-response-unreadable``) until an operator repairs
+    #: or deletes it.
+    damaged: str | None = None
 
     @property
     def lease_expired(self) -> bool:

@@ -48,7 +48,7 @@ import typing as t
 import zlib
 
 from .errors import ConfigurationError, UnreadableResponse
-from .record import Record, Scope, StoredResponse
+from .record import STORABLE_STATUSES, Record, Scope, StoredResponse
 
 if t.TYPE_CHECKING:
     from .config import Settings
@@ -277,8 +277,10 @@ class Sealer:
             ciphertext does not authenticate (wrong key, tampered, moved from another row), or
             it is stored unencrypted while ``require_encrypted`` is on.
         """
-        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+        if isinstance(status, bool) or not isinstance(status, int):
             raise UnreadableResponse("the stored status is not an HTTP status")
+        if status not in STORABLE_STATUSES:
+            raise UnreadableResponse(f"status {status} is never stored")
         if headers is not None:
             if self.require_encrypted:
                 raise UnreadableResponse("stored unencrypted (IDEMPOTENCY_REQUIRE_ENCRYPTED)")

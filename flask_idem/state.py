@@ -79,6 +79,8 @@ class AppState:
         """Follow the claimed attempt ``state`` in the tracer, when there is one."""
         if self.tracer is not None:
             state.trace = self.tracer(state)
+    #: Endpoints whose view guard was entered under the outer guard's claim (logged once).
+    guards_not_found: set[str] = dataclasses.field(default_factory=set)
 
     def begin(self, state: RequestState) -> sa.Connection:
         """The request's business transaction, opened on first use: the connection of the
@@ -161,6 +163,9 @@ class RequestState:
     settling: bool = False
     #: The tracer's view of this attempt, when one follows it (:meth:`AppState.start_trace`).
     trace: Trace | None = None
+    #: The claim was made by the outer guard around the whole view function (not by the
+    #: view's own ``@idem.idempotent``, which the guard search did not find).
+    claimed_around_view: bool = False
 
     def flush(self) -> None:
         """Write the session's pending ORM changes into the business transaction."""

@@ -28,7 +28,34 @@ metadata = sa.MetaData(
     }
 )
 
-_timestamp = sa.DateTime(timezone=True)
+
+class _StoredTimestamp(sa.TypeDecorator[t.Any]):
+    """A timestamp that reads a value which is no timestamp as that value, unparsed.
+
+    SQLite keeps whatever a statement wrote into a timestamp column (PostgreSQL's timestamptz
+    accepts only timestamps): one altered row must reach the record builder, which marks it
+    damaged (see :attr:`flask_idem.record.Record.damaged`), instead of failing the fetch of
+    every row read with it (``flask idem reconcile``, the operator page).
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def result_processor(self, dialect: sa.Dialect, coltype: t.Any) -> t.Any:
+        parse = self.impl_instance.dialect_impl(dialect).result_processor(dialect, coltype)
+        if parse is None:
+            return None
+
+        def process(value: t.Any) -> t.Any:
+            try:
+                return parse(value)
+            except (ValueError, TypeError):
+                return value
+
+        return process
+
+
+_timestamp = _StoredTimestamp()
 
 
 class _StoredJSON(sa.TypeDecorator[t.Any]):

@@ -11,6 +11,7 @@ import typing as t
 
 import flask
 import pytest
+import sqlalchemy as sa
 from flask.views import MethodView
 
 from flask_idem import Idempotency
@@ -142,7 +143,11 @@ def _app(store: SQLStore, decorator: View, path: str) -> tuple[flask.Flask, Coun
 def test_a_read_only_caller_never_sees_the_writers_answer(
     store: SQLStore, form: str, path: str
 ) -> None:
-    app, calls = _app(store, DECORATORS[form], path)
+    _readers_are_refused(store, DECORATORS[form], path)
+
+
+def _readers_are_refused(store: SQLStore, decorator: View, path: str) -> None:
+    app, calls = _app(store, decorator, path)
     client = app.test_client()
 
     def post(amount: int, permissions: str = "write") -> t.Any:
@@ -159,3 +164,131 @@ def test_a_read_only_caller_never_sees_the_writers_answer(
     assert replayed.headers["Idempotent-Replayed"] == "true", "the view's own guard claimed"
     assert replayed.get_data() == written.get_data()
     assert calls.calls == 1
+
+
+class Slotted:
+    """A decorator whose wrapper is an object with ``__slots__`` (it has no ``__dict__``)."""
+
+    __slots__ = ("view", "__name__")
+
+    def __init__(self, view: View) -> None:
+        self.view = view
+        self.__name__ = view.__name__
+
+    def __call__(self, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        _check()
+        return self.view(*args, **kwargs)
+
+
+def closure_holding_a_list(view: View) -> View:
+    box = [view]
+
+    def checked(*args: t.Any, **kwargs: t.Any) -> t.Any:
+        _check()
+        return box[0](*args, **kwargs)
+
+    return checked
+
+
+class HoldsADict:
+    """A decorator whose wrapper object holds the view in a dict attribute."""
+
+    def __init__(self, view: View) -> None:
+        self.views = {"view": view}
+        self.__name__ = view.__name__
+
+    def __call__(self, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        _check()
+        return self.views["view"](*args, **kwargs)
+
+
+class HoldsAList:
+    """A decorator whose wrapper object holds the view in a list attribute."""
+
+    def __init__(self, view: View) -> None:
+        self.views = [view]
+        self.__name__ = view.__name__
+
+    def __call__(self, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        _check()
+        return self.views[0](*args, **kwargs)
+
+
+def default_argument(view: View) -> View:
+    def checked(*args: t.Any, _view: View = view, **kwargs: t.Any) -> t.Any:
+        _check()
+        return _view(*args, **kwargs)
+
+    return checked
+
+
+def keyword_default(view: View) -> View:
+    def checked(*args: t.Any, _view: View = view, **kwargs: t.Any) -> t.Any:
+        _check()
+        return _view(*args, **kwargs)
+
+    checked.__defaults__ = None
+    checked.__kwdefaults__ = {"_view": view}
+    return checked
+
+
+REGISTRY: dict[str, View] = {}
+
+
+def registry(view: View) -> View:
+    """A decorator that finds the view again by name in a module-level registry: nothing the
+    wrapper holds leads to it, so no search can find the guard."""
+    REGISTRY[view.__name__] = view
+
+    def checked(*args: t.Any, **kwargs: t.Any) -> t.Any:
+        _check()
+        return REGISTRY[checked.__name__](*args, **kwargs)
+
+    checked.__name__ = view.__name__
+    return checked
+
+
+HOLDERS = {
+    "slots": Slotted,
+    "closure-list": closure_holding_a_list,
+    "object-dict": HoldsADict,
+    "object-list": HoldsAList,
+    "default-argument": default_argument,
+    "keyword-default": keyword_default,
+}
+
+
+@pytest.mark.parametrize("form", HOLDERS)
+def test_a_guard_held_in_slots_containers_or_defaults_is_found(store: SQLStore, form: str) -> None:
+    _readers_are_refused(store, HOLDERS[form], "/orders")
+
+
+def test_a_guard_the_search_cannot_find_refuses_to_run_under_the_outer_claim(
+    store: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The outer guard claimed before the authorization decorator ran: the view's own guard
+    refuses (500), so no record completes and no reader ever gets a replay."""
+    app, calls = _app(store, registry, "/orders")
+    client = app.test_client()
+
+    def post(amount: int, key: str, permissions: str = "write") -> t.Any:
+        headers = {"Idempotency-Key": key, "X-Permissions": permissions}
+        return client.post("/orders", json={"amount": amount}, headers=headers)
+
+    with caplog.at_level("ERROR", logger="flask_idem"):
+        refused = [post(100, "k1"), post(100, "k2")]
+        retries = [post(100, "k1"), post(100, "k1", "read"), post(1, "k1", "read")]
+    for answer in refused:
+        assert answer.status_code == 500, answer.get_data(as_text=True)
+        assert answer.mimetype == "application/problem+json"
+        assert answer.json["type"].endswith("/internal-error")
+    for answer in retries:  # the failed attempt's key, given up by the usual rules
+        assert answer.status_code in (409, 422, 500), answer.get_data(as_text=True)
+        assert "Idempotent-Replayed" not in answer.headers
+    assert calls.calls == 0
+    with store.engine.connect() as conn:
+        states = conn.execute(sa.text("SELECT state FROM idempotency_keys")).scalars().all()
+    assert "completed" not in states
+    errors = [r for r in caplog.records if "functools.wraps" in r.getMessage()]
+    assert len(errors) == 1, "logged once per endpoint"
+    assert "before_request" in errors[0].getMessage()

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope, State
-from flask_idem.errors import JobResultNotStored
+from flask_idem.errors import JobResultNotStored, JobResultUnreadable
 from flask_idem.store import SQLStore
 
 from .conftest import Counter
@@ -88,5 +88,36 @@ def test_a_stored_result_altered_into_deeply_nested_json_is_not_replayed(
             {"body": b"[" * 100_000 + b"]" * 100_000},
         )
     with app.app_context(), pytest.raises(JobResultNotStored):
+        settle_order("alpha", "order-1")
+    assert runs.calls == 1
+
+
+@pytest.mark.parametrize("state", ["completed", "unknown", "in_progress"])
+def test_a_sqlite_row_whose_timestamp_is_no_timestamp_is_neither_replayed_nor_run_again(
+    app: flask.Flask, store: SQLStore, state: str
+) -> None:
+    """SQLite keeps any text in a timestamp column: a redelivery raises
+    ``JobResultUnreadable`` (retryable), never a ``ValueError``, and never runs the job."""
+    if store.engine.dialect.name != "sqlite":
+        pytest.skip("timestamptz accepts only timestamps")
+    idem: Idempotency = app.extensions["test_idem"]
+    runs = Counter()
+
+    @idem.job("settle-order", key="order_id", tenant="merchant", recovery="reexecute")
+    def settle_order(merchant: str, order_id: str) -> t.Any:
+        runs.bump()
+        return {"settled": True}
+
+    with app.app_context():
+        settle_order("alpha", "order-1")
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE idempotency_keys SET state = :state, lease_expires_at = 'garbage' "
+                "WHERE key = 'order-1'"
+            ),
+            {"state": state},
+        )
+    with app.app_context(), pytest.raises(JobResultUnreadable, match="damaged"):
         settle_order("alpha", "order-1")
     assert runs.calls == 1

@@ -15,7 +15,7 @@ import flask
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Idempotency
+from flask_idem import ConfigurationError, Idempotency, Verdict
 from flask_idem.sealing import MAGIC
 from flask_idem.store import SQLStore
 
@@ -103,7 +103,7 @@ def test_a_plain_row_with_malformed_headers_is_unreadable(
     _retry_is_unreadable(app, counter)
 
 
-@pytest.mark.parametrize("status", [0, -1, 99, 600, 1000])
+@pytest.mark.parametrize("status", [0, -1, 99, 100, 101, 199, 600, 1000])
 def test_a_plain_row_with_an_impossible_status_is_unreadable(
     app_factory: t.Callable[..., App], store: SQLStore, status: int
 ) -> None:
@@ -111,6 +111,58 @@ def test_a_plain_row_with_an_impossible_status_is_unreadable(
     assert _post(app).status_code == 201
     _tamper(store, "response_status = :status", status=status)
     _retry_is_unreadable(app, counter)
+
+
+def test_a_plain_row_replays_only_the_headers_a_completion_stores(
+    app_factory: t.Callable[..., App], store: SQLStore
+) -> None:
+    """Headers outside ``IDEMPOTENCY_STORED_HEADERS`` in a row (a per-request cookie, a
+    connection upgrade, framing) were written by something else: the replay drops them."""
+    app, _, counter = app_factory()
+    assert _post(app).status_code == 201
+    forged = [
+        ["Location", "/payments/pay_1"],
+        ["Set-Cookie", "session=attacker"],
+        ["Connection", "upgrade"],
+        ["Upgrade", "websocket"],
+        ["Transfer-Encoding", "chunked"],
+        ["Content-Length", "99"],
+        ["X-Request-Id", "forged"],
+    ]
+    _tamper(store, f"response_headers = {_headers_json(store)}", headers=json.dumps(forged))
+    retry = _post(app)
+    assert retry.status_code == 201 and retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.headers["Location"] == "/payments/pay_1"
+    for name in ("Set-Cookie", "Connection", "Upgrade", "Transfer-Encoding", "X-Request-Id"):
+        assert name not in retry.headers
+    assert retry.headers["Content-Length"] == str(len(retry.get_data()))
+    assert counter.calls == 1
+
+
+@pytest.mark.parametrize("name", ["Connection", "upgrade", "Transfer-Encoding", "Content-Length"])
+def test_connection_and_framing_headers_cannot_be_configured_as_stored(
+    store: SQLStore, name: str
+) -> None:
+    app = flask.Flask("stored-headers")
+    app.config["IDEMPOTENCY_STORED_HEADERS"] = ("Location", name)
+    with pytest.raises(ConfigurationError, match=name.lower()):
+        Idempotency(app, store=store, tenant=lambda: "alpha")
+
+
+@pytest.mark.parametrize("status", [101, 103])
+def test_an_interim_status_is_never_stored(
+    app_factory: t.Callable[..., App], store: SQLStore, status: int
+) -> None:
+    """A 1xx never ends a request: a view answering one is given up as for
+    ``IDEMPOTENCY_NEVER_STORE``, never replayed."""
+    app, _, counter = app_factory()
+    client = app.test_client()
+    answers = [
+        client.post(f"/status/{status}", headers={"Idempotency-Key": "interim"}) for _ in range(2)
+    ]
+    assert [answer.status_code for answer in answers] == [status, status]
+    assert "Idempotent-Replayed" not in answers[1].headers
+    assert counter.calls == 2
 
 
 def test_a_forged_envelope_with_deeply_nested_headers_is_unreadable(
@@ -136,3 +188,67 @@ def test_sqlite_header_text_that_is_no_json_is_unreadable(
     assert _post(app).status_code == 201
     _tamper(store, "response_headers = :headers", headers=text)
     _retry_is_unreadable(app, counter)
+
+
+#: Timestamp columns the claim's SQL does not compare with the clock.
+TIMESTAMPS = ("created_at", "lease_expires_at", "completed_at")
+
+
+def _sqlite_only(store: SQLStore) -> None:
+    if store.engine.dialect.name != "sqlite":
+        pytest.skip("timestamptz accepts only timestamps")
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        *((column, value) for column in TIMESTAMPS for value in ("garbage", "", 5)),
+        # What sorts before the clock is an expired expires_at (a new record), as in SQL.
+        ("expires_at", "garbage"),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("state", ["completed", "unknown", "in_progress"])
+def test_a_sqlite_timestamp_that_is_no_timestamp_is_unreadable(
+    app_factory: t.Callable[..., App], store: SQLStore, state: str, column: str, value: t.Any
+) -> None:
+    """SQLite keeps any value in a timestamp column: the claim that finds the row answers
+    503, never 500, and neither replays nor takes over the record."""
+    _sqlite_only(store)
+    app, _, counter = app_factory()
+    assert _post(app).status_code == 201
+    _tamper(store, f"state = :state, {column} = :value", state=state, value=value)
+    _retry_is_unreadable(app, counter)
+
+
+def test_one_sqlite_row_with_a_broken_timestamp_stops_no_other_tenants_reconciliation(
+    app_factory: t.Callable[..., App], store: SQLStore
+) -> None:
+    """``flask idem reconcile`` reports the damaged row and settles every other record; the
+    operator page lists the stuck records."""
+    _sqlite_only(store)
+    app, idem, _ = app_factory()
+    settled: list[str] = []
+
+    def reconcile(record: t.Any) -> t.Any:
+        settled.append(record.scope.tenant)
+        return Verdict.not_happened()
+
+    idem.reconciler("POST /payments")(reconcile)
+    idem.operator_access(lambda: True)
+    client = app.test_client()
+    for tenant in ("alpha", "beta"):
+        headers = {"Idempotency-Key": "tampered-1", "X-Tenant": tenant}
+        assert client.post("/payments", json={"amount": 1}, headers=headers).status_code == 201
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE idempotency_keys SET state = 'unknown'"))
+        damage = "UPDATE idempotency_keys SET lease_expires_at = 'garbage' WHERE tenant = 'alpha'"
+        conn.execute(sa.text(damage))
+    assert client.get("/idempotency/operator").status_code == 200
+    result = app.test_cli_runner().invoke(args=["idem", "reconcile", "--json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    answer = json.loads(result.stdout)
+    actions = {r["tenant"]: (r["action"], r["reason"]) for r in answer["records"]}
+    assert actions["alpha"][0] == "unknown" and "lease_expires_at" in actions["alpha"][1]
+    assert actions["beta"][0] != "unknown"
+    assert settled == ["beta"], "the damaged row never reaches the reconciler"

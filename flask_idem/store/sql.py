@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 import logging
@@ -98,33 +99,6 @@ def translate_errors() -> t.Iterator[None]:
         raise missing from exc
 
 
-#: SQLSTATE classes whose messages may quote the values of a row (data exceptions, integrity
-#: violations): only their name is shown.
-_VALUE_BEARING = ("22", "23")
-
-
-def database_message(exc: BaseException) -> str | None:
-    """The database's own words for the failure behind ``exc`` (its cause chain), or None.
-
-    PostgreSQL's primary message and detail (Citus explains its refusals in the detail), one
-    line, so that an operator sees why a statement failed; never the statement or its
-    parameters, and never the messages of the classes that may quote a row's values.
-    """
-    while exc is not None and not isinstance(exc, sa.exc.DBAPIError):
-        exc = exc.__cause__  # type: ignore[assignment]
-    if exc is None:
-        return None
-    driver_error = exc.orig
-    diagnostics = getattr(driver_error, "diag", None)
-    if diagnostics is None or diagnostics.message_primary is None:
-        return str(driver_error).strip().splitlines()[0] if str(driver_error).strip() else None
-    code = str(getattr(driver_error, "pgcode", "") or "")
-    if code[:2] in _VALUE_BEARING:
-        return f"{type(driver_error).__name__} (SQLSTATE {code})"
-    parts = [diagnostics.message_primary, diagnostics.message_detail]
-    return ": ".join(" ".join(part.split()) for part in parts if part)
-
-
 def _undefined(exc: sa.exc.SQLAlchemyError) -> str | None:
     """What the failed statement found missing, in the database's words, or None.
 
@@ -161,21 +135,30 @@ def record_from_row(
     m = row._mapping
     if scope is None:
         scope = Scope(m["tenant"], m["endpoint"], m["key"])
-    return build_record(
+    now = _aware(m["db_now"]) if now is None else now
+    assert now is not None
+    names = ("lease_expires_at", "created_at", "completed_at", "expires_at")
+    damaged = [name for name in names if not isinstance(m[name], dt.datetime | None)]
+    stamps = {name: now if name in damaged else _aware(m[name]) for name in names}
+    record = build_record(
         scope,
         sealer,
         m["fingerprint"],
         m["state"],
         m["claim_token"],
-        _aware(m["lease_expires_at"]),
+        stamps["lease_expires_at"],
         m["response_status"],
         m["response_headers"],
         m["response_body"],
-        _aware(m["created_at"]),
-        _aware(m["completed_at"]),
-        _aware(m["expires_at"]),
-        _aware(m["db_now"]) if now is None else now,
+        stamps["created_at"],
+        stamps["completed_at"],
+        stamps["expires_at"],
+        now,
     )
+    if not damaged:
+        return record
+    reason = f"the row's {', '.join(damaged)} holds no timestamp"
+    return dataclasses.replace(record, damaged=reason, unreadable=record.unreadable or reason)
 
 
 def build_record(
