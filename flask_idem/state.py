@@ -79,6 +79,7 @@ class AppState:
         """Follow the claimed attempt ``state`` in the tracer, when there is one."""
         if self.tracer is not None:
             state.trace = self.tracer(state)
+
     #: Endpoints whose view guard was entered under the outer guard's claim (logged once).
     guards_not_found: set[str] = dataclasses.field(default_factory=set)
 
