@@ -93,13 +93,12 @@ def test_a_stored_result_altered_into_deeply_nested_json_is_not_replayed(
 
 
 @pytest.mark.parametrize("state", ["completed", "unknown", "in_progress"])
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # timestamptz takes only timestamps
 def test_a_sqlite_row_whose_timestamp_is_no_timestamp_is_neither_replayed_nor_run_again(
     app: flask.Flask, store: SQLStore, state: str
 ) -> None:
     """SQLite keeps any text in a timestamp column: a redelivery raises
     ``JobResultUnreadable`` (retryable), never a ``ValueError``, and never runs the job."""
-    if store.engine.dialect.name != "sqlite":
-        pytest.skip("timestamptz accepts only timestamps")
     idem: Idempotency = app.extensions["test_idem"]
     runs = Counter()
 

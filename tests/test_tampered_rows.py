@@ -174,6 +174,12 @@ def test_a_forged_envelope_with_deeply_nested_headers_is_unreadable(
     _retry_is_unreadable(app, counter)
 
 
+#: SQLite only: PostgreSQL's jsonb accepts only JSON (nested less than its stack allows) and
+#: timestamptz only timestamps, so these rows cannot exist there.
+only_sqlite = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
+@only_sqlite
 @pytest.mark.parametrize(
     "text", ["[" * 100_000 + "]" * 100_000, "not json", '[["Location"'], ids=["deep", "text", "cut"]
 )
@@ -182,8 +188,6 @@ def test_sqlite_header_text_that_is_no_json_is_unreadable(
 ) -> None:
     """SQLite keeps whatever text a statement wrote in the JSON column (PostgreSQL's jsonb
     refuses it, nesting that deep included): reading it must not fail mid-fetch."""
-    if store.engine.dialect.name != "sqlite":
-        pytest.skip("jsonb accepts only JSON, nested less than PostgreSQL's stack allows")
     app, _, counter = app_factory()
     assert _post(app).status_code == 201
     _tamper(store, "response_headers = :headers", headers=text)
@@ -192,11 +196,6 @@ def test_sqlite_header_text_that_is_no_json_is_unreadable(
 
 #: Timestamp columns the claim's SQL does not compare with the clock.
 TIMESTAMPS = ("created_at", "lease_expires_at", "completed_at")
-
-
-def _sqlite_only(store: SQLStore) -> None:
-    if store.engine.dialect.name != "sqlite":
-        pytest.skip("timestamptz accepts only timestamps")
 
 
 @pytest.mark.parametrize(
@@ -209,24 +208,24 @@ def _sqlite_only(store: SQLStore) -> None:
     ids=repr,
 )
 @pytest.mark.parametrize("state", ["completed", "unknown", "in_progress"])
+@only_sqlite
 def test_a_sqlite_timestamp_that_is_no_timestamp_is_unreadable(
     app_factory: t.Callable[..., App], store: SQLStore, state: str, column: str, value: t.Any
 ) -> None:
     """SQLite keeps any value in a timestamp column: the claim that finds the row answers
     503, never 500, and neither replays nor takes over the record."""
-    _sqlite_only(store)
     app, _, counter = app_factory()
     assert _post(app).status_code == 201
     _tamper(store, f"state = :state, {column} = :value", state=state, value=value)
     _retry_is_unreadable(app, counter)
 
 
+@only_sqlite
 def test_one_sqlite_row_with_a_broken_timestamp_stops_no_other_tenants_reconciliation(
     app_factory: t.Callable[..., App], store: SQLStore
 ) -> None:
     """``flask idem reconcile`` reports the damaged row and settles every other record; the
     operator page lists the stuck records."""
-    _sqlite_only(store)
     app, idem, _ = app_factory()
     settled: list[str] = []
 
