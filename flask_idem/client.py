@@ -7,6 +7,8 @@ an operation and retries only what is safe and useful to retry:
 ==============================================  =============================================
 answer                                          what the client does
 ==============================================  =============================================
+``Idempotent-Replayed: true``, any status       final: the operation's stored answer (an
+                                                earlier attempt ran), returned as the result
 network error, timeout                          retry, same key (the server may have executed)
 408, 425, 429, 500, 502, 503, 504               retry, same key, honouring ``Retry-After``
                                                 (``RetryPolicy.retry_statuses``)
@@ -20,13 +22,19 @@ network error, timeout                          retry, same key (the server may 
                                                 credentials, retry with the same ``.key``
 422                                             raise :class:`KeyReused`: a new operation needs
                                                 a new key (a client bug)
-anything else (2xx, 400, 404, other 409)        final: returned as the result
+another 2xx or 4xx (400, 404, other 409)        final: returned as the result
+                                                (``RetryPolicy.definitive_statuses``)
+anything else (3xx, 501, 505, 520-524...)       raise :class:`IndefiniteAnswer`: not an answer
+                                                of the operation, which may or may not have
+                                                run; retry later with the same key
 ==============================================  =============================================
 
-A 500 is retried because a flask_idem server never stores one: its key is either given back
-(nothing was committed, so the retry runs again) or kept ``unknown`` (the retry gets 409
-``outcome-pending``), so the same key can never run twice. Against a server that stores and
-replays its 500s, take 500 out of ``retry_statuses``.
+Only definitive answers end an operation, from an allow-list: a redirect means the request
+never reached the operation (httpx does not follow it: fix the URL), and a status such as a
+CDN's 522 or 524 leaves open whether it ran. An unreplayed 500 is retried: a flask_idem server
+stores only the 500s a view returns (and replays them with ``Idempotent-Replayed: true``); a
+crash's key is either given back (nothing was committed, so the retry runs again) or kept
+``unknown`` (the retry gets 409 ``outcome-pending``), so the same key can never run twice.
 
 Backoff is exponential with full jitter, bounded by a number of attempts and a total time.
 Install with ``pip install flask-idem[client]`` (httpx).
@@ -50,6 +58,10 @@ import httpx
 from .keys import KeyFormat, new_key
 
 RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+#: Statuses that answer the operation: every 2xx and 4xx (those the table above does not treat
+#: otherwise). An allow-list, so that a status nobody thought of never ends an operation.
+DEFINITIVE_STATUSES = frozenset(range(200, 300)) | frozenset(range(400, 500))
+REPLAYED_HEADER = "Idempotent-Replayed"
 IN_PROGRESS = "request-in-progress"
 PENDING = "outcome-pending"
 _DELAY_SECONDS = re.compile(r"[0-9]+", re.ASCII)
@@ -64,6 +76,8 @@ class RetryPolicy:
     :param base_delay: the first backoff ceiling in seconds; it doubles per attempt.
     :param max_delay: the largest backoff ceiling.
     :param retry_statuses: the statuses retried with the same key (the module's table).
+    :param definitive_statuses: the statuses returned as the operation's answer; any other
+        one that is not retried raises :class:`IndefiniteAnswer`.
     """
 
     max_attempts: int = 5
@@ -71,6 +85,7 @@ class RetryPolicy:
     base_delay: float = 0.2
     max_delay: float = 10.0
     retry_statuses: frozenset[int] = RETRY_STATUSES
+    definitive_statuses: frozenset[int] = DEFINITIVE_STATUSES
 
     def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
         """Full jitter: uniform in [0, min(max_delay, base_delay * 2 ** (attempt - 1))]."""
@@ -114,7 +129,11 @@ class IdempotentResult:
     @property
     def replayed(self) -> bool:
         """True when the server answered from its stored result (an earlier attempt ran)."""
-        return bool(self.response.headers.get("Idempotent-Replayed", "").lower() == "true")
+        return _replayed(self.response)
+
+
+def _replayed(response: httpx.Response) -> bool:
+    return response.headers.get(REPLAYED_HEADER, "").lower() == "true"
 
 
 class IdempotentRequestError(Exception):
@@ -144,6 +163,11 @@ class AuthenticationFailed(IdempotentRequestError):
 
 class RetriesExhausted(IdempotentRequestError):
     """No final answer within the policy's attempts or time; retry later with the same key."""
+
+
+class IndefiniteAnswer(IdempotentRequestError):
+    """A status that does not answer the operation (a redirect, 501, a CDN's 522...): it may or
+    may not have run. Retry later with the same ``key``; after a redirect, fix the URL first."""
 
 
 class OutcomePending(RetriesExhausted):
@@ -193,6 +217,8 @@ class _Operation:
         response = outcome if isinstance(outcome, httpx.Response) else None
         if response is not None:
             status = response.status_code
+            if _replayed(response):
+                return None  # the operation's stored answer, whatever its status
             if (
                 status == 401
                 and self.refreshable
@@ -218,7 +244,16 @@ class _Operation:
                 )
             problem = _problem_type(response) if status == 409 else ""
             if status not in self.policy.retry_statuses and problem not in (IN_PROGRESS, PENDING):
-                return None
+                if status in self.policy.definitive_statuses:
+                    return None
+                raise IndefiniteAnswer(
+                    f"{status} is no answer of the operation"
+                    + (" (a redirect: fix the URL)" if 300 <= status < 400 else "")
+                    + "; it may or may not have run: retry later with the same key",
+                    key=self.key,
+                    attempts=self.attempts,
+                    response=response,
+                )
         delay = self.policy.backoff(self.attempts)
         if response is not None:
             retry_after = parse_retry_after(response.headers.get("Retry-After"))

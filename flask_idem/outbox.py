@@ -7,14 +7,23 @@ first byte goes out; after a restart :meth:`Outbox.resume` sends every pending o
 with its stored key and the same bytes, so the server replays instead of executing twice.
 
 An operation is marked done only on a definitive answer, as the retry table of
-:mod:`flask_idem.client` decides: a final answer (2xx, 400, 404, another 4xx) or 422 (the key
-belongs to another request). A network error, a retryable status past the policy's budget, 409
-``outcome-pending``, 401 or 403 leave it pending, to be resumed later with the same key.
+:mod:`flask_idem.client` decides: a replayed answer (``Idempotent-Replayed: true``, whatever its
+status), a final one (2xx, 400, 404, another 4xx) or 422 (the key belongs to another request). A
+network error, a retryable status past the policy's budget, 409 ``outcome-pending``, 401, 403, a
+redirect or another status that does not answer the operation (501, 522...) leave it pending, to
+be resumed later with the same key.
+
+Adding an operation that is already stored compares what the server compares: the method, the
+URL and the canonical body of :mod:`flask_idem.fingerprint` (key order and number spelling do
+not count), and the headers but for per-call ones such as ``X-Request-Id``
+(:data:`VOLATILE_HEADERS`). The stored request is what is sent.
 
 The table is the application's (never in flask_idem's migrations): :func:`outbox_table` adds it
 to the application's ``MetaData`` for its own migrations, or :meth:`Outbox.create_table`
 creates it. Credentials never go into it: they belong on the httpx client (and its
-``refresh_credentials`` hook), which the outbox refuses to store.
+``refresh_credentials`` hook). The outbox refuses a URL with userinfo, the headers of
+:data:`CREDENTIAL_HEADERS` and the query parameters of :data:`CREDENTIAL_QUERY_NAMES` (both
+configurable per outbox).
 """
 
 from __future__ import annotations
@@ -24,17 +33,77 @@ import enum
 import json as jsonlib
 import logging
 import typing as t
+import urllib.parse
 
 import httpx
 import sqlalchemy as sa
 
 from .client import IdempotentClient, IdempotentRequestError, KeyReused
+from .fingerprint import canonical_request
 from .keys import KeyFormat, new_key
 
 logger = logging.getLogger(__name__)
 
-#: Headers that carry credentials; stored in the outbox they would outlive their rotation.
-CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+#: Headers that carry credentials (lower case); stored in the outbox they would outlive their
+#: rotation and sit in plain text in the application's database.
+CREDENTIAL_HEADERS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "cookie",
+        "api-key",
+        "x-api-key",
+        "x-auth-token",
+        "x-access-token",
+        "x-amz-security-token",
+        "x-goog-api-key",
+        "ocp-apim-subscription-key",
+    }
+)
+#: Query parameter names (lower case) that carry credentials, refused for the same reason.
+CREDENTIAL_QUERY_NAMES = frozenset(
+    {
+        "access_token",
+        "api_key",
+        "api-key",
+        "apikey",
+        "auth",
+        "auth_token",
+        "client_secret",
+        "key",
+        "password",
+        "secret",
+        "sig",
+        "signature",
+        "token",
+        "x-amz-credential",
+        "x-amz-security-token",
+        "x-amz-signature",
+    }
+)
+#: Headers that change per call (tracing, request ids) and that the server does not compare:
+#: adding an operation again with other values is the same request (the stored ones are sent).
+VOLATILE_HEADERS = frozenset(
+    {
+        "x-request-id",
+        "request-id",
+        "x-correlation-id",
+        "correlation-id",
+        "traceparent",
+        "tracestate",
+        "baggage",
+        "sentry-trace",
+        "x-amzn-trace-id",
+        "x-b3-traceid",
+        "x-b3-spanid",
+        "x-b3-parentspanid",
+        "x-b3-sampled",
+        "b3",
+        "x-cloud-trace-context",
+        "user-agent",
+        "date",
+    }
+)
 
 
 class OutboxState(str, enum.Enum):
@@ -47,8 +116,10 @@ class OutboxState(str, enum.Enum):
 class OutboxConflict(ValueError):
     """The operation is already in the outbox with a different request.
 
-    An operation name stands for one request; sending another under it would either be lost
-    (the first one's answer returned) or need a second key. Name the new operation anew.
+    An operation name stands for one request, which may already have run. Never give the
+    same intent a second name while the first is pending (two keys, two charges): deliver
+    the stored one (:meth:`Outbox.get`, :meth:`Outbox.deliver`) until it is done, and only
+    then, if the intent has really changed, add the new request under a new name.
     """
 
 
@@ -103,6 +174,9 @@ class Outbox:
     :param engine: the application's database (SQLite or PostgreSQL).
     :param table: the outbox table; by default ``idempotency_outbox`` in a ``MetaData`` of its own.
     :param key_format: how new operations' keys are made (:func:`flask_idem.keys.new_key`).
+    :param credential_headers: header names refused (case-insensitive).
+    :param credential_query_names: query parameter names refused (case-insensitive).
+    :param volatile_headers: header names left out when an operation added again is compared.
     """
 
     def __init__(
@@ -111,10 +185,16 @@ class Outbox:
         *,
         table: sa.Table | None = None,
         key_format: KeyFormat = "uuid4",
+        credential_headers: t.Collection[str] = CREDENTIAL_HEADERS,
+        credential_query_names: t.Collection[str] = CREDENTIAL_QUERY_NAMES,
+        volatile_headers: t.Collection[str] = VOLATILE_HEADERS,
     ) -> None:
         self.engine = engine
         self.table = table if table is not None else outbox_table(sa.MetaData())
         self.key_format = key_format
+        self.credential_headers = frozenset(name.lower() for name in credential_headers)
+        self.credential_query_names = frozenset(name.lower() for name in credential_query_names)
+        self.volatile_headers = frozenset(name.lower() for name in volatile_headers)
 
     def create_table(self) -> None:
         """Create the table unless it exists (when no migration of the application does)."""
@@ -132,18 +212,16 @@ class Outbox:
     ) -> OutboxEntry:
         """Commit ``operation`` with a new key and its request, or return it when it is there.
 
-        :param url: relative to the httpx client's ``base_url``, or absolute.
+        :param url: relative to the httpx client's ``base_url``, or absolute; never with
+            credentials (userinfo, ``?api_key=``...).
         :param json: the body as JSON (encoded once, so every attempt sends the same bytes).
         :param headers: request headers to store with it; never credentials.
         :raises OutboxConflict: the operation is stored with a different request.
+        :raises ValueError: the URL or the headers carry credentials.
         """
         request = httpx.Request(method, "http://outbox.invalid", json=json, content=content)
         stored_headers = {name.lower(): value for name, value in (headers or {}).items()}
-        if CREDENTIAL_HEADERS & stored_headers.keys():
-            raise ValueError(
-                "credentials are not stored in the outbox: set them on the httpx client "
-                "(and refresh them with refresh_credentials)"
-            )
+        self._refuse_credentials(url, stored_headers)
         if "content-type" in request.headers:
             stored_headers.setdefault("content-type", request.headers["content-type"])
         wanted = {
@@ -167,9 +245,40 @@ class Outbox:
             pass  # already there (a restart, or a concurrent add): compared below
         entry = self.get(operation)
         assert entry is not None, "committed above or by whoever conflicted"
-        if {name: getattr(entry, name) for name in wanted} != wanted:
+        stored = (entry.method, entry.url, entry.headers, entry.body)
+        if self._compared(*stored) != self._compared(*wanted.values()):
             raise OutboxConflict(f"operation {operation!r} is stored with a different request")
         return entry
+
+    def _refuse_credentials(self, url: str, headers: t.Mapping[str, str]) -> None:
+        """Raise when the request carries credentials, naming where (never the value)."""
+        parts = urllib.parse.urlsplit(url)
+        refused = ["userinfo in the URL"] if "@" in parts.netloc else []
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        refused += sorted({name for name, _ in query if name.lower() in self.credential_query_names})
+        refused += sorted(self.credential_headers & headers.keys())
+        if refused:
+            raise ValueError(
+                f"credentials are not stored in the outbox ({', '.join(refused)}): set them on "
+                "the httpx client (and refresh them with refresh_credentials)"
+            )
+
+    def _compared(
+        self, method: str, url: str, headers: t.Mapping[str, str], body: bytes
+    ) -> tuple[bytes, dict[str, str]]:
+        """What tells two requests apart: the server's canonical request (method, URL, body)
+        and the headers but for the volatile ones."""
+        parts = urllib.parse.urlsplit(url)
+        canonical = canonical_request(
+            method,
+            urllib.parse.urlunsplit(parts._replace(query="", fragment="")),
+            {},
+            urllib.parse.parse_qsl(parts.query, keep_blank_values=True),
+            body,
+            headers.get("content-type"),
+        )
+        kept = {name: value for name, value in headers.items() if name not in self.volatile_headers}
+        return canonical, kept
 
     def send(
         self, client: IdempotentClient, operation: str, method: str, url: str, **request: t.Any

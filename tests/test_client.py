@@ -16,10 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flask_idem.client import (
+    DEFINITIVE_STATUSES,
     RETRY_STATUSES,
     AsyncIdempotentClient,
     AuthenticationFailed,
     IdempotentClient,
+    IndefiniteAnswer,
     KeyReused,
     OutcomePending,
     RetriesExhausted,
@@ -93,6 +95,30 @@ def test_final_answers_are_not_retried(answer: httpx.Response) -> None:
     script = Script(answer)
     result = _client(script).post("/x")
     assert result.attempts == 1 and result.response.status_code == answer.status_code
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308, 501, 505, 507, 511, 520, 522, 524])
+def test_statuses_that_do_not_answer_the_operation_raise_with_the_key(status: int) -> None:
+    """A redirect never reached the operation, a CDN's 522/524 leaves open whether it ran:
+    neither is returned as the operation's answer (nor retried blindly)."""
+    script = Script(httpx.Response(status, headers={"Location": "/x/"}))
+    with pytest.raises(IndefiniteAnswer, match="same key") as info:
+        _client(script).post("/x", key="op-1")
+    assert info.value.key == "op-1" and info.value.attempts == 1 and script.keys == ["op-1"]
+    assert info.value.response is not None and info.value.response.status_code == status
+
+
+def test_a_redirect_says_to_fix_the_url() -> None:
+    with pytest.raises(IndefiniteAnswer, match="redirect: fix the URL"):
+        _client(Script(httpx.Response(308, headers={"Location": "/x/"}))).post("/x")
+
+
+@pytest.mark.parametrize("status", [500, 503, 422, 308, 524])
+def test_a_replayed_answer_is_final_whatever_its_status(status: int) -> None:
+    """A stored answer replayed is what the operation answered: retrying it gets it again."""
+    script = Script(httpx.Response(status, headers={"Idempotent-Replayed": "true"}))
+    result = _client(script).post("/x", key="op-1")
+    assert result.attempts == 1 and result.replayed and result.response.status_code == status
 
 
 def test_a_pending_outcome_is_asked_again_with_the_same_key_when_time_allows() -> None:
@@ -214,9 +240,17 @@ def test_async_client_awaits_a_coroutine_refresh_hook() -> None:
 
 
 def test_a_500_is_final_when_the_policy_says_so() -> None:
-    policy = dataclasses.replace(FAST, retry_statuses=RETRY_STATUSES - {500})
+    policy = dataclasses.replace(
+        FAST, retry_statuses=RETRY_STATUSES - {500}, definitive_statuses=DEFINITIVE_STATUSES | {500}
+    )
     result = _client(Script(httpx.Response(500)), policy).post("/x")
     assert result.attempts == 1 and result.response.status_code == 500
+
+
+def test_a_500_neither_retried_nor_definitive_is_indefinite() -> None:
+    policy = dataclasses.replace(FAST, retry_statuses=RETRY_STATUSES - {500})
+    with pytest.raises(IndefiniteAnswer):
+        _client(Script(httpx.Response(500)), policy).post("/x")
 
 
 def test_attempts_are_bounded() -> None:

@@ -13,8 +13,20 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idem import Idempotency
-from flask_idem.client import IdempotentClient, KeyReused, RetriesExhausted, RetryPolicy
-from flask_idem.outbox import Outbox, OutboxConflict, OutboxState, outbox_table
+from flask_idem.client import (
+    IdempotentClient,
+    IndefiniteAnswer,
+    KeyReused,
+    RetriesExhausted,
+    RetryPolicy,
+)
+from flask_idem.outbox import (
+    CREDENTIAL_HEADERS,
+    Outbox,
+    OutboxConflict,
+    OutboxState,
+    outbox_table,
+)
 from flask_idem.store import create_store
 from flask_idem.testing import empty_store
 
@@ -44,6 +56,19 @@ class Api:
         def pay() -> t.Any:
             self.charges.append(flask.request.get_json())
             return {"id": f"pay_{len(self.charges)}"}, 201
+
+        @self.app.post("/v1/refunds/")  # POST /v1/refunds is answered 308 by Flask
+        @idem.idempotent
+        def refund() -> t.Any:
+            self.charges.append(flask.request.get_json())
+            return {"id": f"re_{len(self.charges)}"}, 201
+
+        @self.app.post("/v1/transfers")
+        @idem.idempotent
+        def transfer() -> t.Any:
+            """Charges, then answers 500 on its own: flask_idem stores and replays that 500."""
+            self.charges.append(flask.request.get_json())
+            return {"error": "ledger said no after the charge"}, 500
 
     def transport(self, *, before: t.Callable[[httpx.Request], None] | None = None) -> t.Any:
         wsgi = httpx.WSGITransport(app=self.app)
@@ -229,10 +254,105 @@ def test_another_request_under_a_stored_operation_is_refused(api: Api, outbox: O
     assert api.sent == []
 
 
-@pytest.mark.parametrize("header", ["Authorization", "cookie", "Proxy-Authorization"])
+def test_a_redirect_leaves_the_operation_pending(api: Api, outbox: Outbox) -> None:
+    """Flask's trailing-slash 308: the operation never ran, so it is no answer to record."""
+    with pytest.raises(IndefiniteAnswer, match="redirect"):
+        outbox.send(api.client(), "refund-1", "POST", "/v1/refunds", json=PAYMENT)
+    entry = outbox.get("refund-1")
+    assert entry is not None and entry.state is OutboxState.PENDING
+    assert entry.response_status is None and api.charges == [] and len(api.sent) == 1
+    (still,) = outbox.resume(api.client())
+    assert still == entry and len(api.sent) == 2, "resumed, still pending"
+
+
+@pytest.mark.parametrize("status", [307, 308, 501, 505, 507, 511, 520, 521, 522, 523, 524])
+def test_a_status_that_does_not_answer_the_operation_leaves_it_pending(
+    api: Api, outbox: Outbox, status: int
+) -> None:
+    """A CDN's 522/524 (origin unreachable, timed out) leaves open whether the charge ran."""
+    edge = httpx.MockTransport(lambda request: httpx.Response(status))
+    with pytest.raises(IndefiniteAnswer):
+        outbox.send(api.client(edge), "order-1", "POST", "/v1/payments", json=PAYMENT)
+    entry = outbox.get("order-1")
+    assert entry is not None and entry.state is OutboxState.PENDING
+    (resumed,) = outbox.resume(api.client())
+    assert resumed.done and resumed.response_status == 201 and api.charges == [PAYMENT]
+
+
+def test_a_stored_500_replayed_is_the_operations_answer(api: Api, outbox: Outbox) -> None:
+    """The view answered 500 after its charge; the replay of that 500 ends the operation."""
+    entry = outbox.send(api.client(), "transfer-1", "POST", "/v1/transfers", json=PAYMENT)
+    assert entry.done and entry.response_status == 500 and api.charges == [PAYMENT]
+    assert [request.headers.get("Idempotency-Key") for request in api.sent] == [entry.key] * 2
+    assert outbox.pending() == [] and outbox.resume(api.client()) == []
+    assert len(api.sent) == 2 and api.charges == [PAYMENT]
+
+
+@pytest.mark.parametrize(
+    ("first", "again"),
+    [
+        ({"json": {"amount": 4200, "currency": "usd"}}, {"json": {"currency": "usd", "amount": 4200}}),
+        ({"json": {"amount": 4200, "currency": "usd"}}, {"json": {"amount": 4200.0, "currency": "usd"}}),
+        ({"headers": {"X-Request-Id": "r-1"}}, {"headers": {"X-Request-Id": "r-2"}}),
+        ({"headers": {"traceparent": "00-a-b-01"}}, {}),
+    ],
+    ids=["key-order", "number-spelling", "request-id", "trace-context"],
+)
+def test_the_same_request_as_the_server_sees_it_is_the_same_operation(
+    api: Api, outbox: Outbox, first: dict[str, t.Any], again: dict[str, t.Any]
+) -> None:
+    """What the server's fingerprint treats as one request is one operation: no conflict that
+    would push the caller to a second name, a second key and a second charge."""
+    stored = outbox.add("order-1", "POST", "/v1/payments", **{"json": PAYMENT, **first})
+    assert outbox.add("order-1", "POST", "/v1/payments", **{"json": PAYMENT, **again}) == stored
+    done = outbox.send(api.client(), "order-1", "POST", "/v1/payments", **{"json": PAYMENT, **again})
+    assert done.done and done.key == stored.key and api.charges == [PAYMENT]
+    assert api.sent[0].content == stored.body, "the stored bytes are what is sent"
+
+
+def test_the_query_order_does_not_make_another_request(outbox: Outbox) -> None:
+    stored = outbox.add("order-1", "POST", "/v1/payments?a=1&b=2", json=PAYMENT)
+    assert outbox.add("order-1", "POST", "/v1/payments?b=2&a=1", json=PAYMENT) == stored
+    with pytest.raises(OutboxConflict):
+        outbox.add("order-1", "POST", "/v1/payments?a=2&b=2", json=PAYMENT)
+
+
+def test_a_header_that_is_not_volatile_still_tells_requests_apart(outbox: Outbox) -> None:
+    outbox.add("order-1", "POST", "/v1/payments", json=PAYMENT, headers={"X-Account": "a"})
+    with pytest.raises(OutboxConflict):
+        outbox.add("order-1", "POST", "/v1/payments", json=PAYMENT, headers={"X-Account": "b"})
+
+
+@pytest.mark.parametrize(
+    "header", ["Authorization", "cookie", "Proxy-Authorization", "X-Api-Key", "X-Auth-Token"]
+)
 def test_credentials_are_never_stored(outbox: Outbox, header: str) -> None:
-    with pytest.raises(ValueError, match="credentials are not stored"):
-        outbox.add("order-1", "POST", "/v1/payments", json=PAYMENT, headers={header: "x"})
+    with pytest.raises(ValueError, match="credentials are not stored") as info:
+        outbox.add("order-1", "POST", "/v1/payments", json=PAYMENT, headers={header: "s3cr3t"})
+    assert header.lower() in str(info.value) and "s3cr3t" not in str(info.value)
+    assert outbox.get("order-1") is None
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://user:s3cr3t@api.example.com/v1/payments",
+        "https://s3cr3t@api.example.com/v1/payments",
+        "/v1/payments?api_key=s3cr3t",
+        "/v1/payments?currency=usd&ACCESS_TOKEN=s3cr3t",
+    ],
+)
+def test_credentials_in_the_url_are_never_stored(outbox: Outbox, url: str) -> None:
+    with pytest.raises(ValueError, match="credentials are not stored") as info:
+        outbox.add("order-1", "POST", url, json=PAYMENT)
+    assert "s3cr3t" not in str(info.value) and outbox.get("order-1") is None
+
+
+def test_the_credential_headers_are_configurable(engine: sa.Engine) -> None:
+    outbox = Outbox(engine, credential_headers=CREDENTIAL_HEADERS | {"X-Shop-Secret"})
+    outbox.create_table()
+    with pytest.raises(ValueError, match="x-shop-secret"):
+        outbox.add("order-1", "POST", "/v1/payments", headers={"X-Shop-Secret": "s3cr3t"})
     assert outbox.get("order-1") is None
 
 
