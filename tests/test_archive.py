@@ -151,6 +151,37 @@ def test_a_table_flask_idem_did_not_archive_is_never_dropped(store: SQLStore) ->
     assert store.archived_partitions() == 1, "only flask_idem's own partitions count"
 
 
+def test_a_name_taken_in_the_archive_leaves_the_partition_and_upkeep_goes_on(
+    store: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A table named like the expiring partition in the archive (an operator's copy, a
+    restore): that partition stays attached with its rows, and the rest of upkeep still runs."""
+    store.use_archive(ARCHIVE)
+    scope = Scope("alpha", "POST /v1/payments", "old")
+    _claim_yesterday(store, scope, expired=True)
+    yesterday = _yesterday(store)
+    _sql(store, "CREATE SCHEMA idempotency_archive")
+    _sql(store, f"CREATE TABLE idempotency_archive.{yesterday} (copy text)")
+    _sql(store, "INSERT INTO idempotency_archive.{} VALUES ('the operator''s')".format(yesterday))
+    _sql(store, "CREATE TABLE idempotency_archive.idempotency_keys_p20000101 (id int)")
+    _archived_days_ago(store, "idempotency_keys_p20000101", 2)
+
+    with caplog.at_level("WARNING", logger="flask_idem"):
+        report = store.maintain(ahead=7)
+        again = store.maintain(ahead=7)
+
+    assert report.archived == () and again.archived == () and report.dropped == ()
+    assert report.archive_dropped == ("idempotency_keys_p20000101",), "upkeep went on"
+    assert yesterday in _partitions(store) and _archived(store) == {yesterday}
+    rows = _sql(store, f"SELECT tenant, key FROM public.{yesterday}")
+    assert [tuple(row) for row in rows] == [("alpha", "old")], "its rows stay in the hot table"
+    copy = _sql(store, f"SELECT copy FROM idempotency_archive.{yesterday}")
+    assert [tuple(row) for row in copy] == [("the operator's",)], "the other table untouched"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"{yesterday} stays attached" in message for message in warnings)
+    assert not any("old" in message.split() for message in warnings), "no key logged"
+
+
 def test_a_dry_run_archives_nothing(store: SQLStore) -> None:
     store.use_archive(ARCHIVE)
     yesterday = _yesterday(store)
