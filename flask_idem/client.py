@@ -133,7 +133,7 @@ class IdempotentResult:
 
 
 def _replayed(response: httpx.Response) -> bool:
-    return response.headers.get(REPLAYED_HEADER, "").lower() == "true"
+    return bool(response.headers.get(REPLAYED_HEADER, "").lower() == "true")
 
 
 class IdempotentRequestError(Exception):

@@ -224,12 +224,8 @@ class Outbox:
         self._refuse_credentials(url, stored_headers)
         if "content-type" in request.headers:
             stored_headers.setdefault("content-type", request.headers["content-type"])
-        wanted = {
-            "method": method.upper(),
-            "url": url,
-            "headers": stored_headers,
-            "body": request.read(),
-        }
+        body = request.read()
+        wanted = {"method": method.upper(), "url": url, "headers": stored_headers, "body": body}
         try:
             with self.engine.begin() as conn:
                 conn.execute(
@@ -245,8 +241,8 @@ class Outbox:
             pass  # already there (a restart, or a concurrent add): compared below
         entry = self.get(operation)
         assert entry is not None, "committed above or by whoever conflicted"
-        stored = (entry.method, entry.url, entry.headers, entry.body)
-        if self._compared(*stored) != self._compared(*wanted.values()):
+        stored = self._compared(entry.method, entry.url, entry.headers, entry.body)
+        if stored != self._compared(method.upper(), url, stored_headers, body):
             raise OutboxConflict(f"operation {operation!r} is stored with a different request")
         return entry
 
@@ -255,7 +251,9 @@ class Outbox:
         parts = urllib.parse.urlsplit(url)
         refused = ["userinfo in the URL"] if "@" in parts.netloc else []
         query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-        refused += sorted({name for name, _ in query if name.lower() in self.credential_query_names})
+        refused += sorted(
+            {name for name, _ in query if name.lower() in self.credential_query_names}
+        )
         refused += sorted(self.credential_headers & headers.keys())
         if refused:
             raise ValueError(

@@ -162,7 +162,7 @@ def test_a_name_taken_in_the_archive_leaves_the_partition_and_upkeep_goes_on(
     yesterday = _yesterday(store)
     _sql(store, "CREATE SCHEMA idempotency_archive")
     _sql(store, f"CREATE TABLE idempotency_archive.{yesterday} (copy text)")
-    _sql(store, "INSERT INTO idempotency_archive.{} VALUES ('the operator''s')".format(yesterday))
+    _sql(store, f"INSERT INTO idempotency_archive.{yesterday} VALUES ('the operator''s')")
     _sql(store, "CREATE TABLE idempotency_archive.idempotency_keys_p20000101 (id int)")
     _archived_days_ago(store, "idempotency_keys_p20000101", 2)
 

@@ -291,8 +291,14 @@ def test_a_stored_500_replayed_is_the_operations_answer(api: Api, outbox: Outbox
 @pytest.mark.parametrize(
     ("first", "again"),
     [
-        ({"json": {"amount": 4200, "currency": "usd"}}, {"json": {"currency": "usd", "amount": 4200}}),
-        ({"json": {"amount": 4200, "currency": "usd"}}, {"json": {"amount": 4200.0, "currency": "usd"}}),
+        (
+            {"json": {"amount": 4200, "currency": "usd"}},
+            {"json": {"currency": "usd", "amount": 4200}},
+        ),
+        (
+            {"json": {"amount": 4200, "currency": "usd"}},
+            {"json": {"amount": 4200.0, "currency": "usd"}},
+        ),
         ({"headers": {"X-Request-Id": "r-1"}}, {"headers": {"X-Request-Id": "r-2"}}),
         ({"headers": {"traceparent": "00-a-b-01"}}, {}),
     ],
@@ -305,7 +311,9 @@ def test_the_same_request_as_the_server_sees_it_is_the_same_operation(
     would push the caller to a second name, a second key and a second charge."""
     stored = outbox.add("order-1", "POST", "/v1/payments", **{"json": PAYMENT, **first})
     assert outbox.add("order-1", "POST", "/v1/payments", **{"json": PAYMENT, **again}) == stored
-    done = outbox.send(api.client(), "order-1", "POST", "/v1/payments", **{"json": PAYMENT, **again})
+    done = outbox.send(
+        api.client(), "order-1", "POST", "/v1/payments", **{"json": PAYMENT, **again}
+    )
     assert done.done and done.key == stored.key and api.charges == [PAYMENT]
     assert api.sent[0].content == stored.body, "the stored bytes are what is sent"
 

@@ -204,6 +204,12 @@ _STILL_EXPIRED = (
     "WHERE i.inhparent = 'idempotency_keys'::regclass AND c.relname = :name) "
     "AND NOT EXISTS (SELECT 1 FROM {partition} WHERE NOT ({expired}))"
 )
+#: A relation of the partition's name already in the archive schema (an operator's copy, a
+#: restore): the move would fail, and with it every later run's upkeep.
+_ARCHIVE_NAME_TAKEN = sa.text(
+    "SELECT EXISTS (SELECT 1 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = :schema AND c.relname = :name)"
+)
 #: SQLSTATE lock_not_available: lock_timeout ran out.
 _LOCK_NOT_AVAILABLE = "55P03"
 #: Expired rows deleted from DEFAULT per transaction.
@@ -623,6 +629,16 @@ class PostgresStore(SQLStore):
                     conn.exec_driver_sql("SELECT pg_advisory_xact_lock(hashtext('flask_idem'), 0)")
                     conn.exec_driver_sql("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
                     if not conn.execute(still_expired, {"name": name}).scalar_one():
+                        continue
+                    taken = {"schema": archive.schema, "name": name}
+                    if conn.execute(_ARCHIVE_NAME_TAKEN, taken).scalar_one():
+                        log.warning(
+                            "partition %s stays attached (nothing lost): %s.%s already exists; "
+                            "rename or drop that table for the partition to be archived",
+                            name,
+                            archive.schema,
+                            name,
+                        )
                         continue
                     archived_at = conn.execute(sa.text("SELECT now()")).scalar_one()
                     conn.exec_driver_sql(
