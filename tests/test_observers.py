@@ -14,7 +14,7 @@ from blinker import NamedSignal
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 
-from flask_idem import Idempotency, Scope, State, signals
+from flask_idem import Idempotency, JobOutcomePending, Scope, State, signals
 from flask_idem.otel import Telemetry
 from flask_idem.store import SQLStore
 
@@ -189,3 +189,30 @@ def test_a_raising_receiver_is_logged_once_by_its_class_never_with_the_key(
     assert "test_observers.Boom" in logged.getMessage()
     assert SECRET not in caplog.text and BODY_SECRET not in caplog.text
     assert logged.exc_info is None, "no traceback: its frames may hold the key"
+
+
+def test_a_worker_stopped_during_the_claimed_signal_gives_the_jobs_key_up(
+    store: SQLStore,
+) -> None:
+    """``SystemExit`` (a worker told to stop) is no observer failure and ends the job, between
+    its claim and its run: the key is given up (``unknown``, as for any job that raised after
+    its claim without ``release_before_contact``) and its lease no longer renewed, so a
+    redelivery gets ``JobOutcomePending`` for a reconciler, never ``JobInProgress`` for as
+    long as the worker process lives."""
+    app, idem = _app(store)
+    charge_order = _job(app, idem)
+
+    def stop_the_worker(sender: flask.Flask, **event: t.Any) -> None:
+        raise SystemExit(1)
+
+    signals.claimed.connect(stop_the_worker)
+    try:
+        with app.app_context(), pytest.raises(SystemExit):
+            charge_order(SECRET)
+    finally:
+        signals.claimed.disconnect(stop_the_worker)
+    record = store.get(JOB_SCOPE)
+    assert record is not None and record.state is State.UNKNOWN, "never a zombie lease"
+    with app.app_context(), pytest.raises(JobOutcomePending):
+        charge_order(SECRET)
+    assert app.config["runs"] == []
