@@ -34,6 +34,7 @@ returns before hashing anything.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import typing as t
@@ -136,6 +137,6 @@ def _send(signal: NamedSignal, fields: dict[str, t.Any]) -> None:
     for receiver in signal.receivers_for(sender):
         call_observer(
             observer_name(receiver),
-            lambda receiver=receiver: receiver(sender, **fields),
+            functools.partial(receiver, sender, **fields),
             key_hash=fields["key_hash"],
         )

@@ -348,7 +348,9 @@ def _database_refusing_connections(url: str) -> t.Iterator[None]:
         with admin.connect() as conn:
             conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
             conn.execute(
-                sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"
+                ),
                 {"d": name},
             )
         yield
