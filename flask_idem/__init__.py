@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import signals
 from .audit import DownstreamRecord
 from .errors import (
+    RETRYABLE_JOB_ERRORS,
     ConfigurationError,
     IdempotencyError,
     JobError,
@@ -36,6 +37,7 @@ from .store import Store, create_store
 __version__ = "0.1.0"
 
 __all__ = [
+    "RETRYABLE_JOB_ERRORS",
     "ClaimResult",
     "ConfigurationError",
     "DownstreamRecord",

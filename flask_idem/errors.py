@@ -112,3 +112,16 @@ class JobResultUnreadable(JobError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, retry_after=30)
+
+
+#: Every exception after which a job's message must go back to the queue, for a queue's retry
+#: filter (Celery's ``autoretry_for``): the :class:`JobError` subclasses that are ``retryable``,
+#: and :class:`StoreUnavailable` (the database is down: nothing ran, or the run's writes rolled
+#: back and its key is given up or expires). A message failed on any of them is lost.
+RETRYABLE_JOB_ERRORS: tuple[type[IdempotencyError], ...] = (
+    StoreUnavailable,
+    JobInProgress,
+    JobOutcomePending,
+    JobRefused,
+    JobResultUnreadable,
+)

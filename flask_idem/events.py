@@ -34,6 +34,7 @@ returns before hashing anything.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import typing as t
@@ -43,6 +44,7 @@ from flask import current_app
 
 from . import signals
 from .keys import key_hash
+from .observers import call_observer, observer_name
 from .record import Scope
 from .state import RequestState
 
@@ -114,7 +116,7 @@ def emit(
         **extra,
     }
     if signal.receivers:
-        signal.send(current_app._get_current_object(), **fields)  # type: ignore[attr-defined]
+        _send(signal, fields)
     if logged:
         record = {name: value for name, value in fields.items() if name != "duration"}
         record["duration_ms"] = None if duration is None else round(duration * 1000, 3)
@@ -125,4 +127,16 @@ def emit(
             fields["event"],
             f": {detail}" if detail else "",
             extra=record,
+        )
+
+
+def _send(signal: NamedSignal, fields: dict[str, t.Any]) -> None:
+    """``signal.send``, one receiver at a time: a receiver that raises is reported and the
+    others still run (see :mod:`flask_idem.observers`)."""
+    sender = current_app._get_current_object()  # type: ignore[attr-defined]
+    for receiver in signal.receivers_for(sender):
+        call_observer(
+            observer_name(receiver),
+            functools.partial(receiver, sender, **fields),
+            key_hash=fields["key_hash"],
         )

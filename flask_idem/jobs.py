@@ -137,10 +137,17 @@ def _run(
     scope = Scope(_tenant(options, call), options.endpoint, _key(options, call))
     with _attached(RequestState(scope, options)) as state:
         app_state.start_trace(state)
-        stored = _claim(app_state, state, _fingerprint(options, call))
-        if stored is not None:
-            return _replayed(stored)
-        return _execute(app_state, state, current_app.ensure_sync(function), call)
+        try:
+            stored = _claim(app_state, state, _fingerprint(options, call))
+            if stored is not None:
+                return _replayed(stored)
+            return _execute(app_state, state, current_app.ensure_sync(function), call)
+        finally:
+            if state.token is not None and not state.finished and state.watch is not None:
+                # Raised between the claim and the job's end (never by the job itself, whose
+                # failures _execute gives up): a lease renewed for as long as the worker lives
+                # would refuse every redelivery until the queue drops the message.
+                give_up(app_state, state, "the job ended before its outcome was recorded")
 
 
 def _refuse_a_shared_session(app_state: AppState, options: JobOptions) -> None:

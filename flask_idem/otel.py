@@ -220,10 +220,10 @@ class AttemptSpan:
         self._token = context.attach(trace.set_span_in_context(self._phase))
 
     def _leave(self) -> None:
-        if self._phase is not None:
+        phase, self._phase = self._phase, None
+        if phase is not None:
             context.detach(t.cast(t.Any, self._token))
-            self._phase.end()
-            self._phase = None
+            phase.end()  # last: a span processor that raises leaves nothing half-done
 
 
 _default: dict[bool, Telemetry] = {}

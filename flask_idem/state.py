@@ -18,6 +18,7 @@ from flask import current_app, g
 
 from .config import Settings
 from .lease import LeaseKeeper, Watch
+from .observers import call_observer
 from .options import JobOptions, ViewOptions
 from .record import Record, Reservation, Scope
 from .store import Store, commit_count
@@ -77,8 +78,13 @@ class AppState:
 
     def start_trace(self, state: RequestState) -> None:
         """Follow the claimed attempt ``state`` in the tracer, when there is one."""
-        if self.tracer is not None:
-            state.trace = self.tracer(state)
+        tracer = self.tracer
+        if tracer is not None:
+
+            def begin() -> None:
+                state.trace = tracer(state)
+
+            call_observer("flask_idem tracer: begin", begin)
 
     #: Endpoints whose view guard was entered under the outer guard's claim (logged once).
     guards_not_found: set[str] = dataclasses.field(default_factory=set)
@@ -203,18 +209,23 @@ class RequestState:
                 self.connection.close()
         finally:
             if self.trace is not None:
-                self.trace.end()
+                self._tell_trace("end", self.trace.end)
                 self.trace = None
 
     def completing(self) -> None:
         """The view or job is over; tell the trace, if any."""
         if self.trace is not None:
-            self.trace.completing()
+            self._tell_trace("completing", self.trace.completing)
 
     def failed(self, error: BaseException) -> None:
         """The view or job raised ``error``; tell the trace, if any."""
         if self.trace is not None:
-            self.trace.failed(error)
+            trace = self.trace
+            self._tell_trace("failed", lambda: trace.failed(error))
+
+    def _tell_trace(self, moment: str, call: t.Callable[[], None]) -> None:
+        """A trace that raises never changes the attempt (see :mod:`flask_idem.observers`)."""
+        call_observer(f"flask_idem tracer: {moment}", call)
 
     @property
     def releasable(self) -> bool:

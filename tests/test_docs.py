@@ -9,6 +9,7 @@ import re
 import typing as t
 from pathlib import Path
 
+import flask_idem
 from flask_idem import problem
 from flask_idem.config import DEFAULTS
 
@@ -134,3 +135,24 @@ def test_every_problem_page_shows_its_document() -> None:
             cls.title,
             cls.code,
         )
+
+
+def test_the_documented_job_retry_tuple_covers_every_retryable_outcome() -> None:
+    """Every exception docs/jobs.md's outcome table says to retry is in
+    ``RETRYABLE_JOB_ERRORS`` (the recipes' ``autoretry_for``), and nothing it says is final."""
+    table = (DOCS / "jobs.md").read_text().split("## The outcome model, for jobs")[1]
+    rows = [row for row in table.splitlines() if row.startswith("| ")]
+    cells = [cell for row in rows for cell in row.strip("|").split(" | ")]
+
+    def named(cell: str) -> set[type]:
+        found = (getattr(flask_idem, name, None) for name in re.findall(r"`(\w+)`", cell))
+        return {error for error in found if inspect.isclass(error)}
+
+    retried = set().union(
+        *(named(cell) for cell in cells if "retry" in cell.replace("not retryable", ""))
+    )
+    final = set().union(*(named(cell) for cell in cells if "not retryable" in cell))
+    assert {flask_idem.StoreUnavailable, flask_idem.JobInProgress} <= retried
+    assert retried == set(flask_idem.RETRYABLE_JOB_ERRORS) and not retried & final
+    assert all(error.retryable for error in retried if issubclass(error, flask_idem.JobError))
+    assert not any(error.retryable for error in final)

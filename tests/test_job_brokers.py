@@ -337,6 +337,63 @@ def test_celery_task_outliving_the_visibility_timeout_runs_once(
     assert len(ledger.charges(message[5])) == 1 and ledger.payments(message[5]) == 1
 
 
+@contextlib.contextmanager
+def _database_refusing_connections(url: str) -> t.Iterator[None]:
+    """The database down for the block: new connections refused, open ones terminated."""
+    name = sa.engine.make_url(url).database
+    admin = sa.create_engine(
+        sa.engine.make_url(url).set(database="postgres"), isolation_level="AUTOCOMMIT"
+    )
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"
+                ),
+                {"d": name},
+            )
+        yield
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        admin.dispose()
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_celery_store_outage_at_the_claim_is_retried_and_runs_once_back(
+    database: str,
+    ledger: Ledger,
+    broker: redis.Redis,
+    redis_url: str,
+    celery_project: Path,
+    producer: Celery,
+) -> None:
+    """The database is down when the worker claims the message: the claim raises
+    ``StoreUnavailable``, which the recipe's ``autoretry_for`` retries (never a failed task,
+    acknowledged and gone), and once the database is back the renewal runs, once."""
+    warm, message = _message("warm"), _message("outage")
+    worker = _celery_worker(database, celery_project, redis_url, "solo", "outage")
+    try:
+        producer.send_task("renew-subscription", args=warm)  # the worker is up and connected
+        _wait_for(lambda: ledger.payments(warm[5]) == 1, "the warm-up renewal", worker)
+        ledger.engine.dispose()
+        with _database_refusing_connections(database):
+            producer.send_task("renew-subscription", args=message)
+            _wait_for(
+                lambda: "StoreUnavailable" in worker.log.read_text(), "the failed claim", worker
+            )
+        _wait_for(
+            lambda: ledger.payments(message[5]) == 1 and _celery_idle(broker),
+            "the retried message acknowledged",
+            worker,
+        )
+    finally:
+        worker.stop()
+    assert "raised unexpected" not in worker.log.read_text(), "the task never failed"
+    assert len(ledger.charges(message[5])) == 1 and ledger.payments(message[5]) == 1
+
+
 def _children(pid: int) -> list[int]:
     listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(child) for child in listed]
