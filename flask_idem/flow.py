@@ -90,6 +90,7 @@ from .attempt import (
     classify,
     emit,
     give_up,
+    note_ended_below,
     note_replaced_session,
     own,
     rollback,
@@ -601,6 +602,15 @@ def finish(response: Response) -> Response:
         # out unstored; the key is free, so a retry runs the view again.
         give_up(app_state, state, "the business transaction was rolled back before the answer")
         return response
+    if note_ended_below(state):
+        # The driver committed or rolled back under the view: its rows did not commit with
+        # this answer, so it must never be stored (nor the key given back).
+        give_up(app_state, state, "the view ended its business transaction below SQLAlchemy")
+        problem = InternalError(
+            "The request's database transaction ended before the server answered, so its "
+            "answer was not recorded. " + _crash_outcome(state)
+        )
+        return _problem_response(app_state, state, problem)
     return _complete(app_state, state, response)
 
 

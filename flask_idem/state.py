@@ -161,6 +161,9 @@ class RequestState:
     settling: bool = False
     #: The tracer's view of this attempt, when one follows it (:meth:`AppState.start_trace`).
     trace: Trace | None = None
+    #: The driver-level commits this attempt's context made on the store's engine, counted
+    #: from its claim (:mod:`.store.commit_count`).
+    tally: commit_count.Tally | None = None
 
     def flush(self) -> None:
         """Write the session's pending ORM changes into the business transaction."""
