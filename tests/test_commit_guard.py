@@ -207,7 +207,6 @@ def test_a_released_savepoint_commits_nothing(tables: SQLStore) -> None:
         ("-- x\rCOMMIT", True),
         ("SELECT 1; -- x\rCOMMIT", True),
         ("SELECT 1 -- x\r; COMMIT", True),
-        ("-- COMMIT\rSELECT 1", False),
     ],
 )
 def test_statements_that_end_the_transaction(sql: str, ends: bool) -> None:
