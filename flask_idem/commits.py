@@ -16,13 +16,18 @@ What counts, on the business transaction of a claimed attempt:
   ``PREPARE TRANSACTION``, in any case, after comments, inside a multi-statement string);
   ``SAVEPOINT``, ``RELEASE SAVEPOINT`` and ``ROLLBACK TO SAVEPOINT`` end nothing;
 - a transaction ended below SQLAlchemy, which :func:`ended_outside` tells when the attempt
-  gives up (in an atomic view too, whose key is then left ``unknown``): a ``COMMIT`` sent
-  through a DBAPI cursor, or the driver connection's own ``commit()``, also when the view wrote
-  again after it. psycopg2 and psycopg 3 leave nothing to tell such a commit from a
-  transaction that never started, so the PostgreSQL store engine's driver connections count
-  their commits (:mod:`flask_idem.store.commit_count`; zeroed when the attempt claims, or
-  opens its business transaction later); SQLite's store transactions all begin with an
-  explicit ``BEGIN``, so sqlite3 shows one it ended as no transaction at all.
+  answers or gives up: the driver connection's own ``commit()`` or ``rollback()``, a
+  ``COMMIT`` or ``ROLLBACK`` sent through a raw driver cursor (psycopg 3's
+  ``Connection.execute`` too), also when the view wrote again after it. psycopg2 and
+  psycopg 3 leave nothing to tell such an end from a transaction that never started, so the
+  PostgreSQL store engine's driver connections count them
+  (:mod:`flask_idem.store.commit_count`; zeroed when the attempt claims, or opens its business
+  transaction later); SQLite's store transactions all begin with an explicit ``BEGIN``, so
+  sqlite3 shows one ended as no transaction at all. Such an attempt's answer is never stored
+  (its rows did not commit with it) and the key is left ``unknown``, atomic or durable;
+- a commit on *another* connection of the store's engine in the attempt's context while it
+  runs (``with db.engine.begin()``, ``Session(db.engine)``, a raw pooled driver connection),
+  flask_idem's own store statements aside: its rows stay, so the attempt is never released.
 
 A view that replaced ``db.session`` (``db.session.remove()``) is never released either
 (:func:`flask_idem.attempt.note_replaced_session`): the fresh session is no business
@@ -31,14 +36,17 @@ transaction, so its commits are neither refused nor seen.
 In an atomic view, and on ``db.session``'s connection, the first two raise
 :class:`~flask_idem.sessions.SessionSettled` before anything commits (a crash of the view; a
 refused ``commit()`` rolls the transaction back, so the view's answer is never stored even when
-it catches the exception). Otherwise they set :attr:`~flask_idem.state.RequestState.committed`.
+it catches the exception). Otherwise they, and a commit on another connection, set
+:attr:`~flask_idem.state.RequestState.committed`.
 
-The checks wrap the store engine's dialect (``do_commit``, ``do_execute``) instead of
-listening to connection events: any connection event on an engine makes SQLAlchemy dispatch
-events around every statement, transaction and checkout of it, which cost a protected request
-6% of its instructions (``valgrind --tool=callgrind``). A statement is looked at only when a
-cheap search finds one of those words in it. Counting the driver's commits costs one Python
-call per commit and nothing per statement.
+The checks wrap the store engine's dialect (``do_commit``, ``do_rollback``, ``do_execute``)
+instead of listening to connection events: any connection event on an engine makes SQLAlchemy
+dispatch events around every statement, transaction and checkout of it, which cost a protected
+request 6% of its instructions (``valgrind --tool=callgrind``). A statement is looked at only
+when a cheap search (:data:`flask_idem.store.statements.MAY_END`) finds one of those words in
+it; the raw cursors of the PostgreSQL store connections run the same search. Counting the
+driver's commits and rollbacks costs one Python call and a context variable per commit or
+rollback.
 """
 
 from __future__ import annotations
@@ -91,17 +99,13 @@ def guard_commits(engine: sa.Engine) -> None:
 
     def do_execute(cursor: t.Any, statement: str, parameters: t.Any, context: t.Any = None) -> None:
         if _refuse_ending(statement, context):
-            commit_count.through_sqlalchemy(
-                lambda: execute(cursor, statement, parameters, context)
-            )
+            commit_count.through_sqlalchemy(lambda: execute(cursor, statement, parameters, context))
         else:
             execute(cursor, statement, parameters, context)
 
     def do_execute_no_params(cursor: t.Any, statement: str, context: t.Any = None) -> None:
         if _refuse_ending(statement, context):
-            commit_count.through_sqlalchemy(
-                lambda: execute_no_params(cursor, statement, context)
-            )
+            commit_count.through_sqlalchemy(lambda: execute_no_params(cursor, statement, context))
         else:
             execute_no_params(cursor, statement, context)
 
