@@ -43,8 +43,9 @@ The checks wrap the store engine's dialect (``do_commit``, ``do_rollback``, ``do
 instead of listening to connection events: any connection event on an engine makes SQLAlchemy
 dispatch events around every statement, transaction and checkout of it, which cost a protected
 request 6% of its instructions (``valgrind --tool=callgrind``). A statement is looked at only
-when a cheap search (:data:`flask_idem.store.statements.MAY_END`) finds one of those words in
-it; the raw cursors of the PostgreSQL store connections run the same search. Counting the
+when a cheap prefilter (:func:`flask_idem.store.statements.may_end`) finds one of those words
+at its start or after a ``;``; the raw cursors of the PostgreSQL store connections run the same
+prefilter. Counting the
 driver's commits and rollbacks costs one Python call and a context variable per commit or
 rollback.
 """

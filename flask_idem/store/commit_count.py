@@ -8,7 +8,7 @@ started, and a statement after it begins a new one, so the transaction status at
 the attempt says nothing. So the PostgreSQL store engine's connections are opened from
 subclasses that count (:data:`ATTRIBUTE`) each ``commit()`` and ``rollback()`` SQLAlchemy did
 not make itself (:func:`through_sqlalchemy`), and each statement of their cursors that ends
-the transaction (:mod:`.statements`; one prefilter search per statement).
+the transaction (:mod:`.statements`; one anchored prefilter match per statement).
 :mod:`flask_idem.commits` zeroes the count when an attempt claims or opens its business
 transaction, and reads it when the attempt answers or gives up.
 
@@ -36,7 +36,7 @@ import typing as t
 import psycopg2.extensions
 import sqlalchemy as sa
 
-from .statements import MAY_END, ends_transaction
+from .statements import ends_transaction, may_end
 
 #: The attribute holding a connection's count of ends since it was last zeroed.
 ATTRIBUTE = "flask_idem_ends"
@@ -134,7 +134,7 @@ def counting(end: _End, *, may_commit: bool = True) -> _End:
 
 def _sql_of(query: t.Any, cursor: t.Any) -> str | None:
     if isinstance(query, str):
-        return query
+        return query  # a subclass of str
     if isinstance(query, bytes):
         return query.decode("utf-8", "replace")
     as_string = getattr(query, "as_string", None)  # psycopg's sql.Composable
@@ -146,8 +146,8 @@ def _watching(execute: _End) -> _End:
     one that fails may still have ended it)."""
 
     def execute_and_watch(self: t.Any, query: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
-        sql = _sql_of(query, self)
-        if sql is not None and MAY_END.search(sql) is not None and ends_transaction(sql):
+        sql = query if type(query) is str else _sql_of(query, self)
+        if sql is not None and may_end(sql) and ends_transaction(sql):
             _ended(self.connection, may_commit=True)
         return execute(self, query, *args, **kwargs)
 

@@ -2,7 +2,7 @@
 
 Shared by the commit guard (:mod:`flask_idem.commits`, statements sent through SQLAlchemy) and
 the store's driver connections (:mod:`.commit_count`, statements sent through a raw driver
-cursor), so both read SQL the same way. :data:`MAY_END` is the cheap prefilter every statement
+cursor), so both read SQL the same way. :func:`may_end` is the cheap prefilter every statement
 pays; :func:`ends_transaction` tokenizes only the few it lets through.
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 
-#: A statement (or a comment) starting with a word that may end the transaction: a prefilter
-#: that lets every other statement through at the cost of one search.
-MAY_END = re.compile(r"(?:^|;)\s*(?:commit|end|rollback|abort|prepare|/\*|--)", re.IGNORECASE)
+#: A statement (or a comment) starting with a word that may end the transaction.
+_ENDING_START = r"\s*(?:commit|end|rollback|abort|prepare|/\*|--)"
+_STARTS_ENDING = re.compile(_ENDING_START, re.IGNORECASE)
+_ANY_ENDING = re.compile(rf";{_ENDING_START}", re.IGNORECASE)
 #: Comments, quoted text and identifiers, and the words and separators between them. A ``--``
 #: comment ends at a line feed or a carriage return, as in PostgreSQL's lexer.
 _TOKEN = re.compile(
@@ -32,8 +33,13 @@ _ROLLBACK_NOISE = frozenset({"work", "transaction"})
 
 
 def may_end(sql: str) -> bool:
-    """The prefilter: False for every statement that certainly ends nothing."""
-    return MAY_END.search(sql) is not None
+    """The prefilter: False for every statement that certainly ends nothing. An anchored
+    match, and a search only in a string holding a ``;`` (which SQLAlchemy's statements and
+    flask_idem's do not): a regular search over every statement cost a protected request
+    several percent of its instructions."""
+    if _STARTS_ENDING.match(sql) is not None:
+        return True
+    return ";" in sql and _ANY_ENDING.search(sql) is not None
 
 
 def ends_transaction(sql: str) -> bool:
