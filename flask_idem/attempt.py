@@ -6,6 +6,7 @@ from here, so a view and a job share one outcome model:
 :func:`classify`  what a claim that found a record leads to (refuse, replay, wait, re-run);
 :func:`own`       the claim is ours: watch its lease;
 :func:`store_result`  record the result, committed with the business transaction;
+:func:`note_ended_below`  a business transaction ended below SQLAlchemy: never stored;
 :func:`give_up`   roll the business transaction back and release the key only when the attempt
                   provably committed nothing (it declared its effects, had not yet declared
                   contact with the outside world, and committed nothing itself), else mark it
@@ -23,7 +24,7 @@ import typing as t
 import sqlalchemy as sa
 
 from . import signals
-from .commits import count_commits_from_now, ended_outside
+from .commits import committed_elsewhere, count_commits_from_now, ended_outside
 from .errors import StoreUnavailable
 from .events import emit as emit  # re-exported: flow and jobs emit through here
 from .options import Recovery
@@ -144,8 +145,8 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
     assert state.scope is not None and state.token is not None
     state.finished = True
     stop_watching(app_state, state)
-    if ended_outside(state):
-        state.committed = True  # its DBAPI connection committed below the commit guard
+    if ended_outside(state) or committed_elsewhere(state):
+        state.committed = True  # a driver committed below the commit guard
     note_replaced_session(app_state, state)
     rollback(state)
     store = app_state.store
@@ -172,6 +173,17 @@ def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
         return
     # The token no longer owns the record (a retry took it over): nothing changed here.
     emit(signal if done else signals.lease_lost, state.scope, reason=reason)
+
+
+def note_ended_below(state: RequestState) -> bool:
+    """The view ended its business transaction below SQLAlchemy (the driver's ``commit()`` or
+    ``rollback()``, a ``COMMIT`` through a raw cursor): its rows did not commit with its
+    answer (rolled back, or committed before it), so that answer must never be stored, and
+    the attempt can never prove it committed nothing."""
+    if not ended_outside(state):
+        return False
+    state.work_lost = state.committed = True
+    return True
 
 
 def note_replaced_session(app_state: AppState, state: RequestState) -> None:

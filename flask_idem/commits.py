@@ -16,13 +16,18 @@ What counts, on the business transaction of a claimed attempt:
   ``PREPARE TRANSACTION``, in any case, after comments, inside a multi-statement string);
   ``SAVEPOINT``, ``RELEASE SAVEPOINT`` and ``ROLLBACK TO SAVEPOINT`` end nothing;
 - a transaction ended below SQLAlchemy, which :func:`ended_outside` tells when the attempt
-  gives up (in an atomic view too, whose key is then left ``unknown``): a ``COMMIT`` sent
-  through a DBAPI cursor, or the driver connection's own ``commit()``, also when the view wrote
-  again after it. psycopg2 and psycopg 3 leave nothing to tell such a commit from a
-  transaction that never started, so the PostgreSQL store engine's driver connections count
-  their commits (:mod:`flask_idem.store.commit_count`; zeroed when the attempt claims, or
-  opens its business transaction later); SQLite's store transactions all begin with an
-  explicit ``BEGIN``, so sqlite3 shows one it ended as no transaction at all.
+  answers or gives up: the driver connection's own ``commit()`` or ``rollback()``, a
+  ``COMMIT`` or ``ROLLBACK`` sent through a raw driver cursor (psycopg 3's
+  ``Connection.execute`` too), also when the view wrote again after it. psycopg2 and
+  psycopg 3 leave nothing to tell such an end from a transaction that never started, so the
+  PostgreSQL store engine's driver connections count them
+  (:mod:`flask_idem.store.commit_count`; zeroed when the attempt claims, or opens its business
+  transaction later); SQLite's store transactions all begin with an explicit ``BEGIN``, so
+  sqlite3 shows one ended as no transaction at all. Such an attempt's answer is never stored
+  (its rows did not commit with it) and the key is left ``unknown``, atomic or durable;
+- a commit on *another* connection of the store's engine in the attempt's context while it
+  runs (``with db.engine.begin()``, ``Session(db.engine)``, a raw pooled driver connection),
+  flask_idem's own store statements aside: its rows stay, so the attempt is never released.
 
 A view that replaced ``db.session`` (``db.session.remove()``) is never released either
 (:func:`flask_idem.attempt.note_replaced_session`): the fresh session is no business
@@ -31,19 +36,22 @@ transaction, so its commits are neither refused nor seen.
 In an atomic view, and on ``db.session``'s connection, the first two raise
 :class:`~flask_idem.sessions.SessionSettled` before anything commits (a crash of the view; a
 refused ``commit()`` rolls the transaction back, so the view's answer is never stored even when
-it catches the exception). Otherwise they set :attr:`~flask_idem.state.RequestState.committed`.
+it catches the exception). Otherwise they, and a commit on another connection, set
+:attr:`~flask_idem.state.RequestState.committed`.
 
-The checks wrap the store engine's dialect (``do_commit``, ``do_execute``) instead of
-listening to connection events: any connection event on an engine makes SQLAlchemy dispatch
-events around every statement, transaction and checkout of it, which cost a protected request
-6% of its instructions (``valgrind --tool=callgrind``). A statement is looked at only when a
-cheap search finds one of those words in it. Counting the driver's commits costs one Python
-call per commit and nothing per statement.
+The checks wrap the store engine's dialect (``do_commit``, ``do_rollback``, ``do_execute``)
+instead of listening to connection events: any connection event on an engine makes SQLAlchemy
+dispatch events around every statement, transaction and checkout of it, which cost a protected
+request 6% of its instructions (``valgrind --tool=callgrind``). A statement is looked at only
+when a cheap prefilter (:func:`flask_idem.store.statements.may_end`) finds one of those words
+at its start or after a ``;``; the raw cursors of the PostgreSQL store connections run the same
+prefilter. Counting the
+driver's commits and rollbacks costs one Python call and a context variable per commit or
+rollback.
 """
 
 from __future__ import annotations
 
-import re
 import typing as t
 
 import psycopg2.extensions
@@ -53,77 +61,9 @@ from flask import has_app_context
 from .sessions import SessionSettled, business_connections
 from .state import RequestState
 from .store import commit_count
+from .store.statements import ends_transaction, may_end
 
 _GUARDED = "flask_idem_commit_guard"
-#: A statement (or a comment) starting with a word that may end the transaction: a prefilter
-#: that lets every other statement through at the cost of one anchored search.
-_MAY_END = re.compile(r"(?:^|;)\s*(?:commit|end|rollback|abort|prepare|/\*|--)", re.IGNORECASE)
-#: Comments, quoted text and identifiers, and the words and separators between them.
-_TOKEN = re.compile(
-    r"""
-      (?P<space>\s+|--[^\n]*)
-    | (?P<quoted>[eE]'(?:[^'\\]|\\.|'')*'|'(?:[^']|'')*'|"(?:[^"]|"")*")
-    | (?P<dollar>\$(?P<tag>[A-Za-z_][A-Za-z_0-9]*)?\$)
-    | (?P<comment>/\*)
-    | (?P<separator>;)
-    | (?P<word>[A-Za-z_][A-Za-z_0-9$]*)
-    | (?P<other>.)
-    """,
-    re.VERBOSE | re.DOTALL,
-)
-_ENDING_WORDS = frozenset({"commit", "end", "abort"})
-_ROLLBACK_NOISE = frozenset({"work", "transaction"})
-
-
-def ends_transaction(sql: str) -> bool:
-    """Whether any statement of ``sql`` ends the transaction it runs in (PostgreSQL, SQLite)."""
-    statements: list[list[str]] = [[]]
-    position = 0
-    while position < len(sql):
-        match = _TOKEN.match(sql, position)
-        assert match is not None  # ``other`` matches any character
-        position = match.end()
-        kind = match.lastgroup
-        if kind == "dollar":
-            close = sql.find(match.group("dollar"), position)
-            position = len(sql) if close < 0 else close + len(match.group("dollar"))
-        elif kind == "comment":
-            position = _end_of_comment(sql, position)
-        elif kind == "separator":
-            statements.append([])
-        elif kind == "word" and len(statements[-1]) < 4:
-            statements[-1].append(match.group().lower())
-        elif kind in ("quoted", "other") and len(statements[-1]) < 4:
-            statements[-1].append("")
-    return any(_ends(words) for words in statements)
-
-
-def _end_of_comment(sql: str, position: int) -> int:
-    """Where a ``/*`` comment opened before ``position`` ends (PostgreSQL nests them)."""
-    depth = 1
-    while depth and position < len(sql):
-        if sql.startswith("/*", position):
-            depth, position = depth + 1, position + 2
-        elif sql.startswith("*/", position):
-            depth, position = depth - 1, position + 2
-        else:
-            position += 1
-    return position
-
-
-def _ends(words: list[str]) -> bool:
-    if not words:
-        return False
-    first, rest = words[0], words[1:]
-    if first in _ENDING_WORDS:
-        return True
-    if first == "prepare":
-        return rest[:1] == ["transaction"]
-    if first == "rollback":
-        while rest and rest[0] in _ROLLBACK_NOISE:
-            rest = rest[1:]
-        return rest[:1] != ["to"]  # ROLLBACK TO SAVEPOINT keeps the transaction
-    return False
 
 
 def guard_commits(engine: sa.Engine) -> None:
@@ -133,54 +73,79 @@ def guard_commits(engine: sa.Engine) -> None:
     if getattr(dialect.do_commit, _GUARDED, False):
         return
     commit = dialect.do_commit
+    rollback = dialect.do_rollback
     execute = dialect.do_execute
     execute_no_params = dialect.do_execute_no_params
 
     def do_commit(dbapi_connection: t.Any) -> None:
-        state = _attempt_on(lambda c: c.connection is dbapi_connection)
-        if state is not None and _refused(state):
+        state = _running_attempt()
+        if state is not None and not _business(state, lambda c: c.connection is dbapi_connection):
+            _note_elsewhere(state)
+        elif state is not None and _refused(state):
             # SQLAlchemy counts a failed commit's transaction as over and would never roll
             # it back (SQLite's write lock held until the pool resets the connection): roll
             # back here. The view's writes are gone, so its answer is never stored.
-            dialect.do_rollback(dbapi_connection)
+            do_rollback(dbapi_connection)
             state.work_lost = state.crashed = True
             raise SessionSettled(
                 "an atomic view, or one whose business transaction is db.session's, must not "
                 "commit it: flask_idem commits it with the stored response"
             )
-        if state is not None:
+        elif state is not None:
             state.committed = True  # commit as you go: allowed, but never released after it
-        commit(dbapi_connection)
+        commit_count.through_sqlalchemy(lambda: commit(dbapi_connection))
+
+    def do_rollback(dbapi_connection: t.Any) -> None:
+        commit_count.through_sqlalchemy(lambda: rollback(dbapi_connection))
 
     def do_execute(cursor: t.Any, statement: str, parameters: t.Any, context: t.Any = None) -> None:
-        _refuse_ending(statement, context)
-        execute(cursor, statement, parameters, context)
+        if _refuse_ending(statement, context):
+            commit_count.through_sqlalchemy(lambda: execute(cursor, statement, parameters, context))
+        else:
+            execute(cursor, statement, parameters, context)
 
     def do_execute_no_params(cursor: t.Any, statement: str, context: t.Any = None) -> None:
-        _refuse_ending(statement, context)
-        execute_no_params(cursor, statement, context)
+        if _refuse_ending(statement, context):
+            commit_count.through_sqlalchemy(lambda: execute_no_params(cursor, statement, context))
+        else:
+            execute_no_params(cursor, statement, context)
 
     setattr(do_commit, _GUARDED, True)
     commit_count.open_counting(engine)
     dialect.do_commit = do_commit  # type: ignore[method-assign]
+    dialect.do_rollback = do_rollback  # type: ignore[method-assign]
     dialect.do_execute = do_execute  # type: ignore[method-assign]
     dialect.do_execute_no_params = do_execute_no_params  # type: ignore[method-assign]
 
 
-def _refuse_ending(statement: str, context: t.Any) -> None:
-    if context is None or _MAY_END.search(statement) is None:
-        return
+def _refuse_ending(statement: str, context: t.Any) -> bool:
+    """Refuse, or note, a statement of the business transaction that ends it. True when the
+    statement ends a transaction: the guard looked at it, so the driver's count leaves it out
+    (see :mod:`.store.commit_count`)."""
+    if context is None or not may_end(statement) or not ends_transaction(statement):
+        return False
     connection = context.root_connection
-    state = _attempt_on(lambda c: c is connection)
-    if state is None or not ends_transaction(statement):
-        return
-    if _refused(state):
+    state = _running_attempt()
+    if state is None:
+        return True
+    if not _business(state, lambda c: c is connection):
+        _note_elsewhere(state)
+    elif _refused(state):
         raise SessionSettled(
             "an atomic view, or one whose business transaction is db.session's, must not end "
             "it with a statement (COMMIT, END, ROLLBACK): flask_idem commits it with the "
             "stored response"
         )
-    state.committed = True  # it may commit: from now on the attempt is never released
+    else:
+        state.committed = True  # it may commit: from now on the attempt is never released
+    return True
+
+
+def _note_elsewhere(state: RequestState) -> None:
+    """A commit on another connection of the store's engine, in the attempt's context: what
+    it wrote stays whatever the attempt does next (flask_idem's own primitives aside)."""
+    if not commit_count.in_store_primitive():
+        state.committed = True
 
 
 def _refused(state: RequestState) -> bool:
@@ -189,15 +154,20 @@ def _refused(state: RequestState) -> bool:
     return state.atomic or state.session is not None
 
 
-def _attempt_on(is_it: t.Callable[[sa.Connection], bool]) -> RequestState | None:
-    """The claimed attempt of this context whose business transaction ``is_it`` picks out,
-    while the view runs (flask_idem's own commit and rollback are not the view's)."""
+def _running_attempt() -> RequestState | None:
+    """The claimed attempt of this context while its view or job runs (flask_idem's own
+    commit and rollback of it are not the view's)."""
     if not has_app_context():
         return None
     state = RequestState.current()
     if state is None or state.token is None or state.finished or state.settling:
         return None
-    return state if any(is_it(c) for c in _connections(state)) else None
+    return state
+
+
+def _business(state: RequestState, is_it: t.Callable[[sa.Connection], bool]) -> bool:
+    """Whether ``is_it`` picks out one of the attempt's business connections."""
+    return any(is_it(c) for c in _connections(state))
 
 
 def _connections(state: RequestState) -> list[sa.Connection]:
@@ -208,22 +178,33 @@ def _connections(state: RequestState) -> list[sa.Connection]:
 
 
 def count_commits_from_now(state: RequestState) -> None:
-    """The attempt claimed: a commit of its business transaction's driver connections counts
-    from here (one opened later is counted from its start, see :func:`.commit_count.zero`)."""
+    """The attempt claimed: an end of its business transaction below SQLAlchemy counts from
+    here (one opened later is counted from its start, see :func:`.commit_count.zero`), and so
+    does a driver's commit on any connection of the store's engine in this context."""
+    state.tally = commit_count.tally_attempt()
     for connection in _connections(state):
         commit_count.zero(connection)
 
 
+def committed_elsewhere(state: RequestState) -> bool:
+    """Whether the attempt's context committed below SQLAlchemy on some connection of the
+    store's engine (``commit()`` of a driver connection, a raw cursor's ``COMMIT``)."""
+    return state.tally is not None and state.tally.commits > 0
+
+
 def ended_outside(state: RequestState) -> bool:
-    """Whether the attempt's business transaction was committed or ended below SQLAlchemy,
-    behind the guard's back: its driver connection counted a commit (``commit()`` of the
-    DBAPI connection), or SQLAlchemy still holds open a transaction the driver ended."""
+    """Whether the attempt's business transaction was committed or rolled back below
+    SQLAlchemy, behind the guard's back: its driver connection counted an end (its own
+    ``commit()`` or ``rollback()``, a ``COMMIT`` through a raw cursor), or SQLAlchemy still
+    holds open a transaction the driver ended."""
     for connection in _connections(state):
-        if commit_count.committed(connection):
+        if commit_count.ended(connection):
             return True
         if not connection.in_transaction():
             continue
         dbapi = connection.connection.dbapi_connection
+        if hasattr(dbapi, commit_count.ATTRIBUTE):
+            continue  # it counts every end below SQLAlchemy, and a COMMIT statement is not one
         if isinstance(dbapi, psycopg2.extensions.connection):
             # psycopg2 began a transaction the server no longer has (a COMMIT through a
             # cursor).

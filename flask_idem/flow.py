@@ -93,6 +93,7 @@ from .attempt import (
     classify,
     emit,
     give_up,
+    note_ended_below,
     note_replaced_session,
     own,
     rollback,
@@ -648,12 +649,7 @@ def finish(response: Response) -> Response:
     if state.work_lost:
         # The view ended its own business transaction before answering: its rows are gone,
         # so its answer (a 201, say) would be a lie, stored or not.
-        give_up(app_state, state, "the view ended its business transaction itself")
-        problem = InternalError(
-            "The request's database transaction ended before the server answered, so its "
-            "work was not recorded. " + _crash_outcome(state)
-        )
-        return _problem_response(app_state, state, problem)
+        return _unrecorded(app_state, state, "the view ended its business transaction itself")
     if state.crashed:
         give_up(app_state, state, "the view raised an exception")
         return response
@@ -679,7 +675,23 @@ def finish(response: Response) -> Response:
         # out unstored; the key is free, so a retry runs the view again.
         give_up(app_state, state, "the business transaction was rolled back before the answer")
         return response
+    if note_ended_below(state):
+        # The driver committed or rolled back under the view: its rows did not commit with
+        # this answer, so it must never be stored (nor the key given back).
+        return _unrecorded(
+            app_state, state, "the view ended its business transaction below SQLAlchemy"
+        )
     return _complete(app_state, state, response)
+
+
+def _unrecorded(app_state: AppState, state: RequestState, reason: str) -> Response:
+    """Give the key up and answer 500: the view's answer does not stand for what committed."""
+    give_up(app_state, state, reason)
+    problem = InternalError(
+        "The request's database transaction ended before the server answered, so its "
+        "work was not recorded. " + _crash_outcome(state)
+    )
+    return _problem_response(app_state, state, problem)
 
 
 def response_snapshot(settings: Settings, response: Response) -> StoredResponse | None:

@@ -56,6 +56,7 @@ from .attempt import (
     classify,
     emit,
     give_up,
+    note_ended_below,
     own,
     stop_watching,
     store_result,
@@ -299,8 +300,15 @@ def _execute(
         raise
     state.completing()
     stop_watching(app_state, state)
-    snapshot = _snapshot(app_state, value)
     digest = key_hash(state.scope)
+    if note_ended_below(state):
+        # Its rows did not commit with its result: never stored, the key left unknown.
+        give_up(app_state, state, "the job ended its business transaction below SQLAlchemy")
+        raise JobOutcomePending(
+            f"{state.scope.endpoint} message {digest} ended its database transaction itself: "
+            "its result was not recorded and its effect is unknown"
+        )
+    snapshot = _snapshot(app_state, value)
     try:
         stored = store_result(app_state, state, snapshot)
     except StoreUnavailable:

@@ -173,6 +173,9 @@ class RequestState:
     #: The claim was made by the outer guard around the whole view function (not by the
     #: view's own ``@idem.idempotent``, which the guard search did not find).
     claimed_around_view: bool = False
+    #: The driver-level commits this attempt's context made on the store's engine, counted
+    #: from its claim (:mod:`.store.commit_count`).
+    tally: commit_count.Tally | None = None
 
     def flush(self) -> None:
         """Write the session's pending ORM changes into the business transaction."""

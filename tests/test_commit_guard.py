@@ -203,6 +203,10 @@ def test_a_released_savepoint_commits_nothing(tables: SQLStore) -> None:
         ("SELECT E'it\\'s; commit'", False),
         ("PREPARE plan AS SELECT 1", False),
         ("-- COMMIT\nSELECT 1", False),
+        # PostgreSQL's lexer ends a -- comment at a carriage return too.
+        ("-- x\rCOMMIT", True),
+        ("SELECT 1; -- x\rCOMMIT", True),
+        ("SELECT 1 -- x\r; COMMIT", True),
     ],
 )
 def test_statements_that_end_the_transaction(sql: str, ends: bool) -> None:

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from flask_idem import Idempotency
+from flask_idem import Idempotency, JobOutcomePending
 from flask_idem.store import normalize_url
 
 from .fsa_app import Order, db, discard
@@ -39,5 +39,39 @@ def test_a_job_keeps_its_session_writes_switched_on_or_off(db_url: str, enabled:
         with app.app_context():
             rows = list(db.session.scalars(sa.select(Order.note)))
         assert rows == ["o-1"], f"the job's write was lost (IDEMPOTENCY_ENABLED={enabled})"
+    finally:
+        discard(app)
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_a_job_that_ended_its_session_below_sqlalchemy_stores_no_result(
+    db_url: str, end: str
+) -> None:
+    """The driver connection's ``commit()`` or ``rollback()`` under ``db.session``: the job's
+    rows did not commit with its result, so none is stored and the key is left unknown (a
+    redelivery gets ``JobOutcomePending``, never a replay nor a second run)."""
+    app = Flask("ended-below-job")
+    app.config.update(
+        SQLALCHEMY_DATABASE_URI=normalize_url(db_url).render_as_string(hide_password=False)
+    )
+    db.init_app(app)
+    idem = Idempotency(app, db=db)
+    runs: list[str] = []
+
+    @idem.job("renew", key="order_id", tenant="merchant")
+    def renew(merchant: str, order_id: str) -> dict[str, t.Any]:
+        runs.append(order_id)
+        db.session.add(Order(note=order_id))
+        db.session.flush()
+        getattr(db.session.connection().connection.dbapi_connection, end)()
+        return {"renewed": order_id}
+
+    with app.app_context():
+        db.create_all()
+    try:
+        for _ in range(2):
+            with app.app_context(), pytest.raises(JobOutcomePending):
+                renew("alpha", f"o-{end}")
+        assert runs == [f"o-{end}"], "a redelivery ran it again"
     finally:
         discard(app)

@@ -1,66 +1,221 @@
-"""Driver connections that count their own commits, so that one made below SQLAlchemy shows.
+"""Driver connections that count the ends of their transactions, so that one made below
+SQLAlchemy shows.
 
 A view can reach the driver's connection under ``idem.connection()`` (or ``db.session``'s) and
-call its ``commit()``. psycopg2 and psycopg 3 then leave nothing to tell that commit from a
-transaction that never started, and a statement after it begins a new one, so the transaction
-status at the end of the attempt says nothing. (SQLite's store connections begin every
-transaction with an explicit ``BEGIN``, so sqlite3 shows one ended below SQLAlchemy as no
-transaction at all.) So the PostgreSQL store engine's connections are opened from subclasses
-whose ``commit()`` counts each commit that went through
-(:data:`ATTRIBUTE`): :mod:`flask_idem.commits` zeroes the count when an attempt claims or
-opens its business transaction, and reads it when the attempt gives up. The cost is one
-Python call per commit; statements are untouched.
+call its ``commit()`` or ``rollback()``, or send ``COMMIT`` through a raw driver cursor.
+psycopg2 and psycopg 3 then leave nothing to tell that end from a transaction that never
+started, and a statement after it begins a new one, so the transaction status at the end of
+the attempt says nothing. So the PostgreSQL store engine's connections are opened from
+subclasses that count (:data:`ATTRIBUTE`) each ``commit()`` and ``rollback()`` SQLAlchemy did
+not make itself (:func:`through_sqlalchemy`), and each statement of their cursors that ends
+the transaction (:mod:`.statements`; one anchored prefilter match per statement).
+:mod:`flask_idem.commits` zeroes the count when an attempt claims or opens its business
+transaction, and reads it when the attempt answers or gives up.
+
+A commit on *any* connection of the engine, while an attempt runs in this context, also counts
+for that attempt (:class:`Tally`, :func:`tally_attempt`): writes committed through another
+connection (``with db.engine.begin()``) stay whatever the attempt does next. flask_idem's own
+store primitives run under :func:`store_own` and count for nobody.
 
 :func:`open_counting` opens them for an engine flask_idem did not build (Flask-SQLAlchemy's,
 ``IDEMPOTENCY_ENGINE``) unless its ``connect_args`` name a connection class of their own; the
 client-side deadline's connection classes (:mod:`.guards`, :mod:`.deadline_psycopg`) count too.
+SQLite needs none of it: its store transactions all begin with an explicit ``BEGIN``, so
+sqlite3's ``in_transaction`` shows one ended below SQLAlchemy (see :func:`flask_idem.commits.
+ended_outside`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import typing as t
 
 import psycopg2.extensions
 import sqlalchemy as sa
 
-#: The attribute holding a connection's count of commits since it was last zeroed.
-ATTRIBUTE = "flask_idem_commits"
+from .statements import ends_transaction, may_end
+
+#: The attribute holding a connection's count of ends since it was last zeroed.
+ATTRIBUTE = "flask_idem_ends"
 _OPENS_COUNTING = "flask_idem_opens_counting"
 
-_Commit = t.TypeVar("_Commit", bound=t.Callable[..., t.Any])
+#: True while SQLAlchemy itself commits or rolls back (its ``do_commit``, ``do_rollback``).
+_SQLALCHEMY_ENDS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "flask_idem_sqlalchemy_ends", default=False
+)
+#: True while a store primitive of flask_idem's own runs.
+_STORE_OWN: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "flask_idem_store_own", default=False
+)
 
 
-def counting(commit: _Commit) -> _Commit:
-    """``commit`` (a driver connection's method) counting each commit that went through."""
+@dataclasses.dataclass
+class Tally:
+    """The commits a running attempt's context made on any connection of the store's engine,
+    flask_idem's own store primitives aside."""
 
-    def commit_and_count(self: t.Any) -> t.Any:
-        result = commit(self)
-        self.flask_idem_commits += 1
+    commits: int = 0
+
+
+_ATTEMPT: contextvars.ContextVar[Tally | None] = contextvars.ContextVar(
+    "flask_idem_attempt_tally", default=None
+)
+
+
+def tally_attempt() -> Tally:
+    """Count this context's commits for the attempt that just claimed, from now on."""
+    tally = Tally()
+    _ATTEMPT.set(tally)
+    return tally
+
+
+def note_commit() -> None:
+    """A commit in this context: the running attempt's, unless a store primitive made it."""
+    tally = _ATTEMPT.get()
+    if tally is not None and not _STORE_OWN.get():
+        tally.commits += 1
+
+
+def in_store_primitive() -> bool:
+    """Whether a store primitive of flask_idem's own runs in this context."""
+    return _STORE_OWN.get()
+
+
+@contextlib.contextmanager
+def store_own() -> t.Iterator[None]:
+    """A store primitive of flask_idem's runs: its commits are no attempt's."""
+    token = _STORE_OWN.set(True)
+    try:
+        yield
+    finally:
+        _STORE_OWN.reset(token)
+
+
+_Result = t.TypeVar("_Result")
+
+
+def through_sqlalchemy(end: t.Callable[[], _Result]) -> _Result:
+    """Run SQLAlchemy's own commit or rollback (or a statement its guard already looked at):
+    the driver's count leaves it out."""
+    token = _SQLALCHEMY_ENDS.set(True)
+    try:
+        return end()
+    finally:
+        _SQLALCHEMY_ENDS.reset(token)
+
+
+def _ended(dbapi_connection: t.Any, *, may_commit: bool) -> None:
+    if _SQLALCHEMY_ENDS.get():
+        return
+    setattr(dbapi_connection, ATTRIBUTE, getattr(dbapi_connection, ATTRIBUTE, 0) + 1)
+    if may_commit:
+        note_commit()
+
+
+_End = t.TypeVar("_End", bound=t.Callable[..., t.Any])
+
+
+def counting(end: _End, *, may_commit: bool = True) -> _End:
+    """``end`` (a driver connection's ``commit`` or ``rollback``) counting each call that went
+    through and was not SQLAlchemy's own."""
+
+    def end_and_count(self: t.Any) -> t.Any:
+        result = end(self)
+        _ended(self, may_commit=may_commit)
         return result
 
-    commit_and_count.__name__ = commit.__name__
-    commit_and_count.__doc__ = commit.__doc__
-    return t.cast(_Commit, commit_and_count)
+    end_and_count.__name__ = end.__name__
+    end_and_count.__doc__ = end.__doc__
+    return t.cast(_End, end_and_count)
+
+
+def _sql_of(query: t.Any, cursor: t.Any) -> str | None:
+    if isinstance(query, str):
+        return query  # a subclass of str
+    if isinstance(query, bytes):
+        return query.decode("utf-8", "replace")
+    as_string = getattr(query, "as_string", None)  # psycopg's sql.Composable
+    return None if as_string is None else str(as_string(cursor.connection))
+
+
+def _watching(execute: _End) -> _End:
+    """A cursor's ``execute`` counting a statement that ends the transaction (before it runs:
+    one that fails may still have ended it)."""
+
+    def execute_and_watch(self: t.Any, query: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        sql = query if type(query) is str else _sql_of(query, self)
+        if sql is not None and may_end(sql) and ends_transaction(sql):
+            _ended(self.connection, may_commit=True)
+        return execute(self, query, *args, **kwargs)
+
+    execute_and_watch.__name__ = execute.__name__
+    execute_and_watch.__doc__ = execute.__doc__
+    return t.cast(_End, execute_and_watch)
+
+
+@functools.cache
+def watched_cursor_class(factory: t.Any) -> t.Any:
+    """``factory`` (a driver's cursor class) whose ``execute`` and ``executemany`` count a
+    statement ending the transaction; a factory that is not a class is kept as it is."""
+    if not isinstance(factory, type):
+        return factory
+    body = {name: _watching(getattr(factory, name)) for name in ("execute", "executemany")}
+    return type(f"Watched{factory.__name__}", (factory,), body)
+
+
+_plain_cursor = psycopg2.extensions.cursor
+
+
+def psycopg2_cursor_factory(connection: t.Any, cursor_factory: t.Any) -> t.Any:
+    """The watched class of the cursor factory a psycopg2 ``connection.cursor()`` call uses."""
+    return watched_cursor_class(cursor_factory or connection.cursor_factory or _plain_cursor)
 
 
 class Psycopg2Connection(psycopg2.extensions.connection):  # type: ignore[misc]
-    """A psycopg2 connection that counts its commits."""
+    """A psycopg2 connection that counts the ends of its transactions."""
 
-    flask_idem_commits = 0
+    flask_idem_ends = 0
     commit = counting(psycopg2.extensions.connection.commit)
+    rollback = counting(psycopg2.extensions.connection.rollback, may_commit=False)
+
+    def cursor(
+        self, name: str | None = None, cursor_factory: t.Any = None, *args: t.Any, **kwargs: t.Any
+    ) -> t.Any:
+        factory = psycopg2_cursor_factory(self, cursor_factory)
+        return super().cursor(name, factory, *args, **kwargs)
+
+
+def _watched_factory(name: str) -> property:
+    """A psycopg 3 connection's ``cursor_factory`` (or ``server_cursor_factory``) that is
+    always watched, whoever sets it (``__init__``, ``connect(cursor_factory=...)``)."""
+    attribute = f"_flask_idem_{name}"
+
+    def get(self: t.Any) -> t.Any:
+        return getattr(self, attribute)
+
+    def set_(self: t.Any, factory: t.Any) -> None:
+        setattr(self, attribute, watched_cursor_class(factory))
+
+    return property(get, set_)
 
 
 @functools.cache
 def psycopg_class() -> type[t.Any]:
-    """The psycopg 3 connection class that counts its commits (psycopg 3 is optional)."""
+    """The psycopg 3 connection class that counts the ends of its transactions (psycopg 3 is
+    optional)."""
     import psycopg
 
-    return type(
-        "CountingConnection",
-        (psycopg.Connection,),
-        {ATTRIBUTE: 0, "commit": counting(psycopg.Connection.commit)},
-    )
+    body = {
+        ATTRIBUTE: 0,
+        "commit": counting(psycopg.Connection.commit),
+        "rollback": counting(psycopg.Connection.rollback, may_commit=False),
+        "cursor_factory": _watched_factory("cursor_factory"),
+        "server_cursor_factory": _watched_factory("server_cursor_factory"),
+    }
+    return type("CountingConnection", (psycopg.Connection,), body)
 
 
 def open_counting(engine: sa.Engine) -> None:
@@ -84,12 +239,13 @@ def open_counting(engine: sa.Engine) -> None:
 
 
 def zero(connection: sa.Connection) -> None:
-    """Count the commits of ``connection``'s driver connection from now on."""
+    """Count the ends of ``connection``'s driver connection from now on."""
     dbapi = connection.connection.dbapi_connection
     if getattr(dbapi, ATTRIBUTE, None):
         setattr(dbapi, ATTRIBUTE, 0)
 
 
-def committed(connection: sa.Connection) -> bool:
-    """Whether ``connection``'s driver connection committed since :func:`zero`."""
+def ended(connection: sa.Connection) -> bool:
+    """Whether ``connection``'s driver connection ended a transaction below SQLAlchemy since
+    :func:`zero`."""
     return bool(getattr(connection.connection.dbapi_connection, ATTRIBUTE, 0))

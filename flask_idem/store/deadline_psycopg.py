@@ -15,7 +15,7 @@ import typing as t
 
 import psycopg
 
-from .commit_count import counting
+from .commit_count import psycopg_class
 from .guards import WATCHDOG
 
 
@@ -23,16 +23,14 @@ class DeadlineExceeded(psycopg.OperationalError):
     """The server did not answer a store connection within its deadline (a disconnect)."""
 
 
-class DeadlineConnection(psycopg.Connection[t.Any]):
+class DeadlineConnection(psycopg_class()):  # type: ignore[misc]
     """A psycopg 3 connection whose waits for the server end after a deadline, and which
-    counts its commits (:mod:`.commit_count`)."""
+    counts the ends of its transactions (:mod:`.commit_count`)."""
 
     #: Seconds any one operation after connecting may wait.
     flask_idem_deadline: float
     #: When the connection's setup must be over (see :func:`.guards.end_of_setup`).
     flask_idem_setup_ends = math.inf
-    flask_idem_commits = 0
-    commit = counting(psycopg.Connection.commit)
 
     @classmethod
     def connect(cls, *args: t.Any, **kwargs: t.Any) -> t.Any:

@@ -66,7 +66,7 @@ import psycopg2.extensions
 import sqlalchemy as sa
 
 from . import pooler
-from .commit_count import counting
+from .commit_count import counting, psycopg2_cursor_factory
 
 log = logging.getLogger("flask_idem")
 
@@ -347,7 +347,6 @@ _NAMED_CURSOR_CALLS += ("__next__",)
 #: Bounded subclasses by cursor factory, for unnamed and for named cursors.
 _unnamed_classes: dict[t.Any, t.Any] = {}
 _named_classes: dict[t.Any, t.Any] = {}
-_plain_cursor = psycopg2.extensions.cursor
 _plain_connection_cursor = psycopg2.extensions.connection.cursor
 
 
@@ -364,22 +363,24 @@ def _bounded_class(factory: t.Any, named: bool) -> t.Any:
 
 class DeadlineConnection(psycopg2.extensions.connection):  # type: ignore[misc]
     """A psycopg2 connection whose waits for the server end after a deadline (see
-    :class:`Watchdog`): statements, named-cursor fetches, commit and rollback. It counts its
-    commits (:mod:`.commit_count`)."""
+    :class:`Watchdog`): statements, named-cursor fetches, commit and rollback. It counts the
+    ends of its transactions (:mod:`.commit_count`)."""
 
     #: Seconds any one operation after connecting may wait.
     flask_idem_deadline: float
     #: When the connection's setup must be over (see :func:`end_of_setup`).
     flask_idem_setup_ends = math.inf
-    flask_idem_commits = 0
+    flask_idem_ends = 0
 
     commit = _bounded(counting(psycopg2.extensions.connection.commit), of_cursor=False)
-    rollback = _bounded(psycopg2.extensions.connection.rollback, of_cursor=False)
+    rollback = _bounded(
+        counting(psycopg2.extensions.connection.rollback, may_commit=False), of_cursor=False
+    )
 
     def cursor(
         self, name: str | None = None, cursor_factory: t.Any = None, *args: t.Any, **kwargs: t.Any
     ) -> t.Any:
-        factory = cursor_factory or self.cursor_factory or _plain_cursor
+        factory = psycopg2_cursor_factory(self, cursor_factory)
         bounded = (_unnamed_classes if name is None else _named_classes).get(factory)
         if bounded is None:
             bounded = _bounded_class(factory, name is not None)

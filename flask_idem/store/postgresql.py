@@ -76,7 +76,7 @@ from ..record import Archive, ClaimResult, MaintenanceReport, Record, Scope, Sto
 from ..table import DEFAULT_PARTITION
 from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
-from . import guards
+from . import commit_count, guards
 from .sql import (
     AUDIT_COLUMNS,
     HEADERS_TYPE,
@@ -328,7 +328,7 @@ class PostgresStore(SQLStore):
     def connect(self) -> t.Iterator[sa.Connection]:
         """A pooled connection in autocommit (:class:`_Autocommit`): no BEGIN/COMMIT round
         trips around a primitive."""
-        with self.engine.connect() as connection:
+        with commit_count.store_own(), self.engine.connect() as connection:
             dbapi_connection = connection.connection.dbapi_connection
             assert dbapi_connection is not None
             try:

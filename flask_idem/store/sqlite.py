@@ -8,6 +8,7 @@ with another claim's, in this process or another one. Expired rows are purged by
 
 from __future__ import annotations
 
+import contextlib
 import typing as t
 
 import sqlalchemy as sa
@@ -16,6 +17,7 @@ from ..keys import key_hash
 from ..record import ClaimResult, MaintenanceReport, Scope, State
 from ..table import idempotency_audit as audit_table
 from ..table import idempotency_keys as table
+from . import commit_count
 from .sql import Outcome, SQLStore, new_token, record_from_row, translate_errors
 
 # The database clock, in the text layout SQLAlchemy uses for DateTime on SQLite (so that string
@@ -85,8 +87,10 @@ class SQLiteStore(SQLStore):
             _SCOPE_HASH, table.c.tenant, table.c.endpoint, table.c.key, type_=sa.String
         )
 
-    def connect(self) -> t.ContextManager[sa.Connection]:
-        return self.engine.begin()
+    @contextlib.contextmanager
+    def connect(self) -> t.Iterator[sa.Connection]:
+        with commit_count.store_own(), self.engine.begin() as connection:
+            yield connection
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         with translate_errors(), self.connect() as conn:
