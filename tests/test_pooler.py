@@ -134,6 +134,15 @@ def pooled_store(database: str, any_pooler: pgbouncer.PgBouncer, driver: str) ->
     store.engine.dispose()
 
 
+@pytest.fixture(params=["own", "foreign"])
+def build_store(request: pytest.FixtureRequest) -> t.Callable[[str], t.Any]:
+    """A store on flask_idem's own engine, or on one the application built with no options
+    (Flask-SQLAlchemy's ``db=`` without ``SQLALCHEMY_ENGINE_OPTIONS``)."""
+    if request.param == "own":
+        return create_store
+    return lambda url: create_store(sa.create_engine(url))
+
+
 def _settings(cursor: t.Any) -> dict[str, str | None]:
     names = list(SESSION_DEFAULTS)
     cursor.execute(
@@ -207,13 +216,17 @@ def test_a_durable_claim_waits_for_a_held_scope_lock_no_longer_than_the_bound(
 
 
 def test_nothing_stays_on_a_server_connection_another_client_gets(
-    cluster: pgcluster.Cluster, any_pooler: pgbouncer.PgBouncer, driver: str
+    cluster: pgcluster.Cluster,
+    any_pooler: pgbouncer.PgBouncer,
+    driver: str,
+    build_store: t.Callable[[str], t.Any],
 ) -> None:
     """After the store's sessions (durable and atomic claims, from several threads at once),
-    every server connection PgBouncer holds shows the server's defaults to a plain client."""
+    every server connection PgBouncer holds shows the server's defaults to a plain client,
+    also when the store's engine is the application's own."""
     database = pgcluster.create_database(cluster.url)  # its own: no other client's backends
     upgrade(database)
-    pooled_store = create_store(spelled_for(any_pooler.url(database), driver))
+    pooled_store = build_store(spelled_for(any_pooler.url(database), driver))
 
     def work(n: int) -> None:
         assert pooled_store.claim(_scope(f"d{n}"), b"f" * 32, ttl=60, lease=30).claimed
@@ -249,13 +262,14 @@ def test_nothing_stays_on_a_server_connection_another_client_gets(
 
 
 def test_psycopg_3_claims_follow_the_pooler_to_another_server_connection(
-    database: str, pooler: pgbouncer.PgBouncer
+    database: str, any_pooler: pgbouncer.PgBouncer, build_store: t.Callable[[str], t.Any]
 ) -> None:
     """psycopg 3 prepares a statement it runs often, on the server connection of that moment;
     PgBouncer 1.18 sends the next transaction wherever a server connection is free, where that
-    statement does not exist. Store sessions behind a pooler prepare nothing."""
-    store = create_store(spelled_for(pooler.url(database), "postgresql+psycopg"))
-    other = psycopg2.connect(pooler.url(database))
+    statement does not exist. Store sessions behind a pooler prepare nothing, on the
+    application's own engine too."""
+    store = build_store(spelled_for(any_pooler.url(database), "postgresql+psycopg"))
+    other = psycopg2.connect(any_pooler.url(database))
     try:
         for n in range(8):  # past psycopg's prepare_threshold (5), on one pooled connection
             assert store.claim(_scope(f"before{n}"), b"f" * 32, ttl=60, lease=30).claimed

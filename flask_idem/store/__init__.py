@@ -108,8 +108,9 @@ def engine_options(
 
 def prepare_engine(engine: sa.Engine) -> sa.Engine:
     """Make an engine safe for the store: fork-safe pools, and on PostgreSQL sessions that keep
-    statement texts out of the server log, also behind a transaction pooler
-    (:mod:`.pooler`). Idempotent; applied to every store's engine."""
+    statement texts out of the server log, also behind a transaction pooler (:mod:`.pooler`:
+    an engine built elsewhere gets only the start-up marker that tells its pooled sessions
+    apart). Idempotent; applied to every store's engine."""
     if engine.dialect.name == "postgresql":
         pooler.connect_without_refused_options(engine)
         if not sa.event.contains(engine, "connect", guards.quiet_server_log):

@@ -10,12 +10,15 @@ stays on a server connection that other clients then use.
 
 So an engine whose options were refused connects again without them (and from then on
 without trying), and a session whose options did not arrive (:data:`STARTUP_MARKER` unset)
-is treated as pooled: no session ``SET`` is sent on it (:func:`behind_pooler`); the claim
-functions bound their own transaction instead (migration 0008, ``set_config(..., true)``),
-transactions are begun ``READ COMMITTED`` by the driver, and the client-side deadline
-(:mod:`.guards`) is a client's own and holds as it is. What only the role can give (bounds for
-the other store statements, a quiet log for their failures) is checked once: a warning names
-the missing ``ALTER ROLE`` settings (docs/operations.md, "Behind a pooler").
+is treated as pooled. An engine the application built (Flask-SQLAlchemy's) gets the marker
+alone, through the same fallback, so that its pooled sessions are told apart too; it never
+gets flask_idem's settings. A pooled session gets no session ``SET`` and prepares no statement
+(:func:`behind_pooler`); the claim functions bound their own transaction instead (migration
+0008, ``set_config(..., true)``), the transactions of flask_idem's own engines are begun
+``READ COMMITTED`` by the driver, and their client-side deadline (:mod:`.guards`) is a
+client's own and holds as it is. What only the role can give (bounds for the other store
+statements, a quiet log for their failures) is checked once: a warning names the missing
+``ALTER ROLE`` settings (docs/operations.md, "Behind a pooler").
 """
 
 from __future__ import annotations
@@ -33,8 +36,12 @@ log = logging.getLogger("flask_idem")
 #: show it did not get them.
 STARTUP_MARKER = "flask_idem.startup"
 #: ``connection_record.info`` key: True when the connection was opened with flask_idem's
-#: start-up options, False when they were refused; absent for an engine without them.
+#: start-up options, False when they were refused; absent for an engine no store prepared.
 SENT = "flask_idem.startup_options"
+#: ``connection_record.info`` key: True when the options were flask_idem's settings
+#: (:func:`flask_idem.store.engine_options`), False when the engine is the application's own
+#: and only got the marker.
+SETTINGS = "flask_idem.startup_settings"
 #: A ``connect_args`` entry that is no driver argument: the psycopg 3 connection class whose
 #: ``connect`` opens the engine's connections (:mod:`.deadline_psycopg`).
 CONNECTION_CLASS = "flask_idem_connection_class"
@@ -85,33 +92,41 @@ class _Fallback:
         self, dialect: sa.Dialect, record: t.Any, cargs: list[t.Any], cparams: dict[str, t.Any]
     ) -> t.Any:
         connection_class = cparams.pop(CONNECTION_CLASS, None)
-        if STARTUP_MARKER not in str(cparams.get("options", "")):
-            return None  # not flask_idem's settings: the default connect
         connect = dialect.connect if connection_class is None else connection_class.connect
-        if self.refused:
+        own_options = cparams.get("options")
+        record.info[SETTINGS] = STARTUP_MARKER in str(own_options or "")
+        if not record.info[SETTINGS]:
+            # The application's engine: the marker alone, so that a pooled session is told
+            # apart from a direct one; its own settings are its own.
+            cparams["options"] = f"{own_options or ''} {startup_option()}".strip()
+        if not self.refused:
+            try:
+                connection = connect(*cargs, **cparams)
+            except dialect.loaded_dbapi.OperationalError as exc:
+                if _REFUSED not in str(exc):
+                    raise
+                self.refused = True
+                log.info(
+                    "the server refused start-up options (a transaction pooler?): going without"
+                )
+            else:
+                record.info[SENT] = True
+                return connection
+        if record.info[SETTINGS] or own_options is None:
             cparams.pop("options")
-            record.info[SENT] = False
-            return connect(*cargs, **cparams)
-        try:
-            connection = connect(*cargs, **cparams)
-        except dialect.loaded_dbapi.OperationalError as exc:
-            if _REFUSED not in str(exc):
-                raise
-            self.refused = True
-            log.info("the server refused start-up options (a transaction pooler?): going without")
-            cparams.pop("options")
-            record.info[SENT] = False
-            return connect(*cargs, **cparams)
-        record.info[SENT] = True
-        return connection
+        else:
+            cparams["options"] = own_options  # the application's: refused as they were before
+        record.info[SENT] = False
+        return connect(*cargs, **cparams)
 
 
 def behind_pooler(dbapi_connection: t.Any, record: t.Any) -> bool:
-    """Whether a new session of a store engine lacks the start-up settings it sent (refused
-    or dropped by a pooler): then it gets no session ``SET`` (see the module docstring), its
-    transactions begin READ COMMITTED, and a missing role setting is warned of once.
+    """Whether a new session of a store engine lacks the start-up marker it sent (refused or
+    dropped by a pooler): then it gets no session ``SET`` (see the module docstring), prepares
+    no statement, its transactions begin READ COMMITTED (on flask_idem's own engines only: the
+    application's keep their isolation), and a missing role setting is warned of once.
 
-    A session of an engine that sent no flask_idem options is not judged: False.
+    A session of an engine that sent no marker (no store prepared it) is not judged: False.
     """
     sent = record.info.get(SENT)
     if sent is None:
@@ -127,9 +142,10 @@ def behind_pooler(dbapi_connection: t.Any, record: t.Any) -> bool:
             dbapi_connection.autocommit = autocommit
     if sent and marker == "on":
         return False
-    # The claim functions insist on READ COMMITTED; the driver says so in each BEGIN, never
-    # with a session SET (psycopg2 >= 2.7, psycopg 3).
-    dbapi_connection.isolation_level = _read_committed(dbapi_connection)
+    if record.info.get(SETTINGS):
+        # The claim functions insist on READ COMMITTED; the driver says so in each BEGIN,
+        # never with a session SET (psycopg2 >= 2.7, psycopg 3).
+        dbapi_connection.isolation_level = _read_committed(dbapi_connection)
     if hasattr(dbapi_connection, "prepare_threshold"):
         # psycopg 3 prepares a statement run often; the next transaction may be on another
         # server connection, which never saw it (PgBouncer 1.18 keeps no prepared statements).
@@ -158,8 +174,8 @@ def _warn_missing_role_settings(values: list[str]) -> None:
     _warned = True
     log.warning(
         "store sessions run behind a transaction pooler without %s on the role: claims bound "
-        "their own transaction, other store statements only have the client-side deadline "
-        "and may reach the server log with their parameters; set them on the role "
+        "their own transaction, other store statements have no bound on the server and may "
+        "reach the server log with their parameters; set them on the role "
         "(ALTER ROLE ... SET, docs/operations.md, 'Behind a pooler')",
         ", ".join(missing),
     )
