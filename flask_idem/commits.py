@@ -36,8 +36,10 @@ transaction, so its commits are neither refused nor seen.
 In an atomic view, and on ``db.session``'s connection, the first two raise
 :class:`~flask_idem.sessions.SessionSettled` before anything commits (a crash of the view; a
 refused ``commit()`` rolls the transaction back, so the view's answer is never stored even when
-it catches the exception). Otherwise they, and a commit on another connection, set
-:attr:`~flask_idem.state.RequestState.committed`.
+it catches the exception). So do the PostgreSQL store connections' own ends below SQLAlchemy
+(:func:`_refuse_below`, installed into :mod:`.store.commit_count`): seen only afterwards, a
+process killed in between would leave the rows published without their record. Otherwise
+they, and a commit on another connection, set :attr:`~flask_idem.state.RequestState.committed`.
 
 The checks wrap the store engine's dialect (``do_commit``, ``do_rollback``, ``do_execute``)
 instead of listening to connection events: any connection event on an engine makes SQLAlchemy
@@ -139,6 +141,24 @@ def _refuse_ending(statement: str, context: t.Any) -> bool:
     else:
         state.committed = True  # it may commit: from now on the attempt is never released
     return True
+
+
+def _refuse_below(dbapi_connection: t.Any) -> None:
+    """Refuse an end below SQLAlchemy of a refused business transaction before it happens:
+    seen only afterwards, a process killed in between would leave the rows published without
+    their record, and the retry would run again."""
+    state = _running_attempt()
+    if state is None or not _refused(state):
+        return
+    if _business(state, lambda c: c.connection.dbapi_connection is dbapi_connection):
+        raise SessionSettled(
+            "an atomic view, or one whose business transaction is db.session's, must not end "
+            "it through the driver (commit(), rollback(), COMMIT through a cursor): flask_idem "
+            "commits it with the stored response"
+        )
+
+
+commit_count.refuse_ends_with(_refuse_below)
 
 
 def _note_elsewhere(state: RequestState) -> None:

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idem import Idempotency
+from flask_idem.sessions import SessionSettled
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import empty_store
 
@@ -108,7 +109,10 @@ def _create_tables(app: Flask) -> None:
 def test_a_drivers_own_commit_under_the_session_is_never_released(
     pg_driver_url: str, fsa_apps: list[Flask], mode: str
 ) -> None:
-    """``db.session.connection().connection.commit()``: the pool's proxy of the driver's."""
+    """``db.session.connection().connection.commit()``, the pool's proxy of the driver's, is
+    refused before it commits (the session's transaction is the session's to settle): nothing
+    is published, so the attempt is given back (durable, before contact) or leaves nothing
+    (atomic), and every retry is refused the same way."""
     app, idem = _fsa_app(pg_driver_url, f"fsa-driver-commit-{mode}")
     fsa_apps.append(app)
     atomic = mode == "atomic"
@@ -119,17 +123,19 @@ def test_a_drivers_own_commit_under_the_session_is_never_released(
     def create_order() -> t.Any:
         db.session.add(Order(note="ordered"))
         db.session.flush()
-        db.session.connection().connection.commit()
-        db.session.add(Order(note="after"))  # a new driver transaction, rolled back
-        db.session.flush()
+        with pytest.raises(SessionSettled):
+            db.session.connection().connection.commit()
+        refused.append(1)
         raise RuntimeError("the provider failed")
 
+    refused: list[int] = []
     _create_tables(app)
     client = app.test_client()
     answers = [client.post("/orders", headers={"Idempotency-Key": "fsa"}) for _ in range(3)]
-    assert notes(app) == ["ordered"], "committed once, never by a retry"
-    assert [a.status_code for a in answers] == [500, 409, 409]
-    assert answers[1].get_json()["type"].endswith("/outcome-pending")
+    assert notes(app) == [], "the refused commit published nothing"
+    assert refused == [1, 1, 1]
+    assert [a.status_code for a in answers] == [500, 500, 500]
+    assert all(a.get_json()["type"].endswith("/internal-error") for a in answers)
 
 
 def _write_then_remove() -> None:

@@ -90,6 +90,13 @@ def test_an_answer_after_an_end_below_the_session_is_never_stored(
     answers = [client.post("/orders", headers={"Idempotency-Key": "below"}) for _ in range(3)]
     rows = notes(app)
     assert len(rows) == len(set(rows)), f"a retry committed again: {rows}"
+    if mode == "atomic" and not db_url.startswith("sqlite"):
+        # PostgreSQL's store connections refuse the end before it happens (SessionSettled in
+        # the view): nothing is ever published, so nothing is kept and each retry runs again.
+        assert rows == [], f"published before its record: {rows}"
+        assert [a.status_code for a in answers] == [500, 500, 500]
+        assert all(a.get_json()["type"].endswith("/internal-error") for a in answers)
+        return
     assert [a.status_code for a in answers] == [500, 409, 409], "stored, replayed or released"
     assert answers[0].get_json()["type"].endswith("/internal-error")
     assert answers[1].get_json()["type"].endswith("/outcome-pending")

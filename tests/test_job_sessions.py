@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idem import Idempotency, JobOutcomePending
+from flask_idem.sessions import SessionSettled
 from flask_idem.store import normalize_url
 
 from .fsa_app import Order, db, discard
@@ -68,10 +69,17 @@ def test_a_job_that_ended_its_session_below_sqlalchemy_stores_no_result(
 
     with app.app_context():
         db.create_all()
+    # PostgreSQL's store connections refuse the end before it happens; SQLite sees it after.
+    refused_before = not db_url.startswith("sqlite")
     try:
-        for _ in range(2):
-            with app.app_context(), pytest.raises(JobOutcomePending):
-                renew("alpha", f"o-{end}")
+        first = SessionSettled if refused_before else JobOutcomePending
+        with app.app_context(), pytest.raises(first):
+            renew("alpha", f"o-{end}")
+        with app.app_context(), pytest.raises(JobOutcomePending):
+            renew("alpha", f"o-{end}")
         assert runs == [f"o-{end}"], "a redelivery ran it again"
+        if refused_before:
+            with app.app_context():
+                assert db.session.scalars(sa.select(Order.note)).all() == [], "published"
     finally:
         discard(app)

@@ -107,6 +107,29 @@ def through_sqlalchemy(end: t.Callable[[], _Result]) -> _Result:
         _SQLALCHEMY_ENDS.reset(token)
 
 
+def _no_refusal(dbapi_connection: t.Any) -> None:
+    """What :data:`refuse_end` is until :mod:`flask_idem.commits` installs its check."""
+
+
+#: Called before an end of a transaction below SQLAlchemy, with its driver connection:
+#: :mod:`flask_idem.commits` raises there on an atomic attempt's business connection (or
+#: ``db.session``'s), so that nothing is published before its record (see
+#: :func:`refuse_ends_with`).
+_refuse_end: list[t.Callable[[t.Any], None]] = [_no_refusal]
+
+
+def refuse_ends_with(check: t.Callable[[t.Any], None]) -> None:
+    """Install ``check``, run before every end of a transaction below SQLAlchemy (a driver's
+    ``commit()`` or ``rollback()``, an ending statement through a raw cursor); it raises to
+    refuse the end before it happens."""
+    _refuse_end[0] = check
+
+
+def _before_end(dbapi_connection: t.Any) -> None:
+    if not _SQLALCHEMY_ENDS.get():
+        _refuse_end[0](dbapi_connection)
+
+
 def _ended(dbapi_connection: t.Any, *, may_commit: bool) -> None:
     if _SQLALCHEMY_ENDS.get():
         return
@@ -123,6 +146,7 @@ def counting(end: _End, *, may_commit: bool = True) -> _End:
     through and was not SQLAlchemy's own."""
 
     def end_and_count(self: t.Any) -> t.Any:
+        _before_end(self)
         result = end(self)
         _ended(self, may_commit=may_commit)
         return result
@@ -148,6 +172,7 @@ def _watching(execute: _End) -> _End:
     def execute_and_watch(self: t.Any, query: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
         sql = query if type(query) is str else _sql_of(query, self)
         if sql is not None and may_end(sql) and ends_transaction(sql):
+            _before_end(self.connection)
             _ended(self.connection, may_commit=True)
         return execute(self, query, *args, **kwargs)
 
