@@ -12,6 +12,7 @@ drops the start-up options instead of refusing them (``ignore_startup_parameters
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import os
 import signal
@@ -293,6 +294,33 @@ def _warm(pooler: pgbouncer.PgBouncer, database: str) -> None:
         client.close()
 
 
+#: How long PgBouncer may refuse logins after a freeze: a server login that failed during it
+#: makes it refuse every login for ``server_login_retry`` (15 s by default).
+RECOVERY = 45.0
+
+
+@contextlib.contextmanager
+def frozen_behind(
+    cluster: pgcluster.Cluster, pooler: pgbouncer.PgBouncer, database: str
+) -> t.Iterator[None]:
+    """:func:`frozen`, then wait until PgBouncer serves again, so that the next test starts
+    with a pooler that logs clients in (its retry delay after a failed server login is
+    PgBouncer's, not flask_idem's: the test that froze the server waits it out)."""
+    try:
+        with frozen(cluster):
+            yield
+    finally:
+        deadline = time.monotonic() + RECOVERY
+        while True:
+            try:
+                _warm(pooler, database)
+                break
+            except psycopg2.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+
 def test_a_fresh_engines_concurrent_claims_answer_a_frozen_database_in_time(
     cluster: pgcluster.Cluster, database: str, pooler: pgbouncer.PgBouncer, driver: str
 ) -> None:
@@ -312,7 +340,10 @@ def test_a_fresh_engines_concurrent_claims_answer_a_frozen_database_in_time(
         return time.monotonic() - started
 
     try:
-        with frozen(cluster), concurrent.futures.ThreadPoolExecutor(len(scopes)) as pool:
+        with (
+            frozen_behind(cluster, pooler, database),
+            concurrent.futures.ThreadPoolExecutor(len(scopes)) as pool,
+        ):
             waited = list(pool.map(claim, scopes))
     finally:
         store.engine.dispose()
@@ -335,7 +366,10 @@ def test_a_fresh_engines_concurrent_connections_set_up_within_one_deadline(
         return time.monotonic() - started
 
     try:
-        with frozen(cluster), concurrent.futures.ThreadPoolExecutor(3) as pool:
+        with (
+            frozen_behind(cluster, pooler, database),
+            concurrent.futures.ThreadPoolExecutor(3) as pool,
+        ):
             waited = list(pool.map(connect, range(3)))
     finally:
         engine.dispose()
