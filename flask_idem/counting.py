@@ -8,6 +8,7 @@ instruments.
 
 from __future__ import annotations
 
+import abc
 import typing as t
 
 from blinker import NamedSignal
@@ -69,7 +70,7 @@ def outcome_of(signal: NamedSignal, event: t.Mapping[str, t.Any]) -> str | None:
     return outcome
 
 
-class Recorder:
+class Recorder(abc.ABC):
     """Turns one transition into the counts and durations every backend keeps.
 
     A backend implements the five ``add_``/``observe_`` methods; ``tenant`` is None unless
@@ -100,22 +101,27 @@ class Recorder:
         elif signal in AT_END or event.get("stage") == "complete":
             self.observe_view(endpoint, outcome or event_name(signal), duration)
 
+    @abc.abstractmethod
     def add_request(
         self, endpoint: str, outcome: str, status: int | None, tenant: str | None
     ) -> None:
-        raise NotImplementedError
+        """Add to the backend\'s own instrument."""
 
+    @abc.abstractmethod
     def add_claim(self, endpoint: str, kind: str, tenant: str | None) -> None:
-        raise NotImplementedError
+        """Add to the backend\'s own instrument."""
 
+    @abc.abstractmethod
     def add_settled(self, endpoint: str, actor: str, action: str) -> None:
-        raise NotImplementedError
+        """Add to the backend\'s own instrument."""
 
+    @abc.abstractmethod
     def observe_claim(self, endpoint: str, outcome: str, seconds: float) -> None:
-        raise NotImplementedError
+        """Add to the backend\'s own instrument."""
 
+    @abc.abstractmethod
     def observe_view(self, endpoint: str, outcome: str, seconds: float) -> None:
-        raise NotImplementedError
+        """Add to the backend\'s own instrument."""
 
 
 def subscribe(app: Flask, receive: t.Callable[..., None]) -> None:

@@ -1,4 +1,4 @@
-"""The fault suite of issue 11: the sample app under gunicorn while its database misbehaves.
+"""The fault suite: the sample app under gunicorn while its database misbehaves.
 
 Its own PostgreSQL cluster (it gets frozen, killed and filled up, so it must not be the session's
 shared one) with at most 40 connections. Every test asserts, for what it breaks:
@@ -162,7 +162,7 @@ def test_preloaded_workers_never_share_a_connection(
     database: str, driver: str, tmp_path: Path
 ) -> None:
     """``--preload`` with the start-up partition check: the master's pooled connection must
-    not reach the workers (issue 11, item 1: 500s and other requests' payments)."""
+    not reach the workers (it answered 500s and other requests' payments)."""
     server = SampleServer(
         spelled_for(database, driver),
         tmp_path,

@@ -1,4 +1,5 @@
-"""Property-based fuzzing (hypothesis) of keys, header combinations and bodies (issue 11).
+"""Property-based fuzzing (hypothesis) of keys, header combinations and bodies: never a 500,
+never a second run.
 
 Against the extension (the conftest payments app) and the sample app, both in-process on
 SQLite files so that hundreds of examples stay fast. Two properties:
