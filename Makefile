@@ -50,6 +50,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # The A/B bench of issue 6: bare vs protected app under gunicorn on a durable throwaway PostgreSQL
 # (or DATABASE_URL); prints the table and writes bench/results/*.json. BENCH_MODE=growth fills the

@@ -25,7 +25,7 @@ import typing as t
 import sqlalchemy as sa
 
 from flask_idem import Scope
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import create_store
 
 from .apps import database_url

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 
 from . import load
 from .apps import create_schema, database_url

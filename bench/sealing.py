@@ -37,9 +37,9 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from flask_idem.migrate import upgrade
-from flask_idem.record import Scope, StoredResponse
-from flask_idem.sealing import Sealer, parse_keys
+from flask_idem.core.record import Scope, StoredResponse
+from flask_idem.core.sealing import Sealer, parse_keys
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 
 from .db import Server

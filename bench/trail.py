@@ -21,7 +21,7 @@ import typing as t
 from pathlib import Path
 
 from flask_idem import Scope, StoredResponse
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 from tests.conftest import count_statements
 

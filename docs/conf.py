@@ -13,7 +13,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import flask_idem  # noqa: E402
 
-# Alembic announces its plugins at INFO when autodoc imports flask_idem.migrate.
+# Alembic announces its plugins at INFO when autodoc imports flask_idem.ops.migrate.
 logging.getLogger("alembic").setLevel(logging.WARNING)
 
 project = "flask_idem"

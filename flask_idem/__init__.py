@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from . import signals
-from .audit import DownstreamRecord
-from .errors import (
+from .core import __version__ as __version__
+from .core import signals
+from .core.errors import (
     RETRYABLE_JOB_ERRORS,
     ConfigurationError,
     IdempotencyError,
@@ -18,12 +18,10 @@ from .errors import (
     SchemaMissing,
     StoreUnavailable,
 )
-from .extension import Idempotency
-from .keys import derive_key
-from .options import ViewOptions
-from .problem import Problem
-from .reconcile import Settlement, Verdict
-from .record import (
+from .core.idempotency_keys import derive_key
+from .core.options import ViewOptions
+from .core.problem import Problem
+from .core.record import (
     ClaimResult,
     MaintenanceReport,
     Record,
@@ -32,9 +30,10 @@ from .record import (
     State,
     StoredResponse,
 )
+from .ops.downstream import DownstreamRecord
+from .ops.reconcile import Settlement, Verdict
 from .store import Store, create_store
-
-__version__ = "0.1.0"
+from .web.extension import Idempotency
 
 __all__ = [
     "RETRYABLE_JOB_ERRORS",

@@ -23,12 +23,12 @@ import typing as t
 
 import sqlalchemy as sa
 
-from . import signals
 from .commits import committed_elsewhere, count_commits_from_now, ended_outside
-from .errors import StoreUnavailable
-from .events import emit as emit  # re-exported: flow and jobs emit through here
-from .options import Recovery
-from .record import ClaimResult, Record, State, StoredResponse
+from .core import signals
+from .core.errors import StoreUnavailable
+from .core.options import Recovery
+from .core.record import ClaimResult, Record, State, StoredResponse
+from .events import emit as emit
 from .sessions import replaced, roll_back_fresh
 from .state import AppState, RequestState
 from .store.messages import redacted

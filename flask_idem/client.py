@@ -55,7 +55,7 @@ import typing as t
 
 import httpx
 
-from .keys import KeyFormat, new_key
+from .core.idempotency_keys import KeyFormat, new_key
 
 RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 #: Statuses that answer the operation: every 2xx and 4xx (those the table above does not treat

@@ -1,9 +1,9 @@
 """One signal and one structured log record per state transition.
 
 :func:`emit` is the only place transitions leave the package: it sends the transition's
-blinker signal (:mod:`flask_idem.signals`) and logs one record on the ``flask_idem.events``
+blinker signal (:mod:`flask_idem.core.signals`) and logs one record on the ``flask_idem.events``
 logger, at INFO, or WARNING for ``unknown`` and ``lease_lost``, or ERROR for
-``store_unavailable``. Metrics (:mod:`flask_idem.metrics`) are receivers of these signals.
+``store_unavailable``. Metrics (:mod:`flask_idem.ops.metrics`) are receivers of these signals.
 
 Every log record carries these attributes, so that a JSON formatter (python-json-logger,
 structlog's stdlib bridge) picks them up as fields; none of them is ever the raw key or a body:
@@ -42,10 +42,10 @@ import typing as t
 from blinker import NamedSignal
 from flask import current_app
 
-from . import signals
-from .keys import key_hash
+from .core import signals
+from .core.idempotency_keys import key_hash
+from .core.record import Scope
 from .observers import call_observer, observer_name
-from .record import Scope
 from .state import RequestState
 
 log = logging.getLogger("flask_idem.events")

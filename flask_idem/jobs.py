@@ -50,7 +50,6 @@ import typing as t
 
 from flask import current_app, has_app_context, has_request_context
 
-from . import signals
 from .attempt import (
     Found,
     classify,
@@ -62,7 +61,8 @@ from .attempt import (
     store_result,
     take_over,
 )
-from .errors import (
+from .core import signals
+from .core.errors import (
     ConfigurationError,
     JobError,
     JobInProgress,
@@ -73,10 +73,10 @@ from .errors import (
     JobResultUnreadable,
     StoreUnavailable,
 )
-from .fingerprint import fingerprint as canonical_fingerprint
-from .keys import check_key, key_hash
-from .options import JobArgument, JobOptions
-from .record import Record, Scope, StoredResponse
+from .core.fingerprint import fingerprint as canonical_fingerprint
+from .core.idempotency_keys import check_key, key_hash
+from .core.options import JobArgument, JobOptions
+from .core.record import Record, Scope, StoredResponse
 from .state import AppState, RequestState
 from .store.sql import translate_errors
 

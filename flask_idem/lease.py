@@ -16,8 +16,8 @@ import os
 import threading
 import time
 
-from .errors import StoreUnavailable
-from .record import Record
+from .core.errors import StoreUnavailable
+from .core.record import Record
 from .store.base import Store
 from .store.messages import redacted
 

@@ -14,7 +14,7 @@ redirect or another status that does not answer the operation (501, 522...) leav
 be resumed later with the same key.
 
 Adding an operation that is already stored compares what the server compares: the method, the
-URL and the canonical body of :mod:`flask_idem.fingerprint` (key order and number spelling do
+URL and the canonical body of :mod:`flask_idem.core.fingerprint` (key order and number spelling do
 not count), and the headers but for per-call ones such as ``X-Request-Id``
 (:data:`VOLATILE_HEADERS`). The stored request is what is sent.
 
@@ -39,8 +39,8 @@ import httpx
 import sqlalchemy as sa
 
 from .client import IdempotentClient, IdempotentRequestError, KeyReused
-from .fingerprint import canonical_request
-from .keys import KeyFormat, new_key
+from .core.fingerprint import canonical_request
+from .core.idempotency_keys import KeyFormat, new_key
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,8 @@ class Outbox:
 
     :param engine: the application's database (SQLite or PostgreSQL).
     :param table: the outbox table; by default ``idempotency_outbox`` in a ``MetaData`` of its own.
-    :param key_format: how new operations' keys are made (:func:`flask_idem.keys.new_key`).
+    :param key_format: how new operations' keys are made
+        (:func:`~flask_idem.core.idempotency_keys.new_key`).
     :param credential_headers: header names refused (case-insensitive).
     :param credential_query_names: query parameter names refused (case-insensitive).
     :param volatile_headers: header names left out when an operation added again is compared.

@@ -33,7 +33,7 @@ import typing as t
 import sqlalchemy as sa
 from flask import Flask
 
-from .errors import ConfigurationError, IdempotencyError
+from .core.errors import ConfigurationError, IdempotencyError
 from .state import SESSION_STATE, RequestState
 from .store import commit_count, normalize_url
 

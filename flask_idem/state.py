@@ -16,16 +16,16 @@ import typing as t
 import sqlalchemy as sa
 from flask import current_app, g
 
-from .config import Settings
+from .core.config import Settings
+from .core.options import JobOptions, ViewOptions
+from .core.record import Record, Reservation, Scope
 from .lease import LeaseKeeper, Watch
 from .observers import call_observer
-from .options import JobOptions, ViewOptions
-from .record import Record, Reservation, Scope
 from .store import Store, commit_count
 from .store.sql import translate_errors
 
 if t.TYPE_CHECKING:
-    from .extension import Idempotency
+    from .web.extension import Idempotency
 
 EXTENSION_NAME = "idempotency"
 _REQUEST_STATE = "_flask_idem"
@@ -34,7 +34,7 @@ SESSION_STATE = "flask_idem.request"
 
 
 class Trace(t.Protocol):
-    """One attempt as a tracer follows it (:mod:`flask_idem.otel`). The transitions reach it
+    """One attempt as a tracer follows it (:mod:`flask_idem.ops.otel`). The transitions reach it
     as signals; these are the moments no signal marks."""
 
     def completing(self) -> None:

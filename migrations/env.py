@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import context
 
 from flask_idem.store import create_engine, normalize_url
-from flask_idem.table import VERSION_TABLE, metadata
+from flask_idem.store.table import VERSION_TABLE, metadata
 
 config = context.config
 
@@ -21,9 +21,10 @@ def database_url() -> str:
     url = config.get_main_option("sqlalchemy.url") or os.environ.get("DATABASE_URL")
     if not url:
         raise SystemExit(
-            "flask_idem migrations need a database: pass url= to flask_idem.migrate.upgrade() "
-            "or downgrade() (or call them in an app context of an application with Idempotency "
-            "or Flask-SQLAlchemy), or set DATABASE_URL (sqlalchemy.url for alembic)"
+            "flask_idem migrations need a database: pass url= to "
+            "flask_idem.ops.migrate.upgrade() or downgrade() (or call them in an app context "
+            "of an application with Idempotency or Flask-SQLAlchemy), or set DATABASE_URL "
+            "(sqlalchemy.url for alembic)"
         )
     return url
 

@@ -73,7 +73,7 @@ def create_app() -> Flask:
     # Imported here, not with this package: ``-c python:sample_app.gunicorn_conf`` imports the
     # package before the config sets PROMETHEUS_MULTIPROC_DIR, and prometheus_client picks
     # per-process or multiprocess counters once, when it is first imported.
-    from flask_idem import metrics
+    from flask_idem.ops import metrics
 
     app.add_url_rule("/metrics", "metrics", metrics.view)
     app.cli.add_command(init_db_command)

@@ -47,7 +47,7 @@ def on_starting(server: t.Any) -> None:
 
 def child_exit(server: t.Any, worker: t.Any) -> None:
     """A worker died or was replaced: drop its live-gauge files (its counters stay)."""
-    from flask_idem.metrics import child_exit as forget
+    from flask_idem.ops.metrics import child_exit as forget
 
     forget(worker.pid)
 

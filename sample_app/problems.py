@@ -13,7 +13,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response
 
 from flask_idem import Problem
-from flask_idem.problem import InternalError, StoreUnavailableProblem
+from flask_idem.core.problem import InternalError, StoreUnavailableProblem
 
 
 def unauthorized() -> Problem:

@@ -28,7 +28,7 @@ from flask import Flask, Response, g, has_request_context
 from flask_limiter import ApplicationLimit, Limiter, RequestLimit
 from limits.storage import Storage
 
-from flask_idem.problem import StoreUnavailableProblem
+from flask_idem.core.problem import StoreUnavailableProblem
 from flask_idem.store import create_engine
 
 from . import problems

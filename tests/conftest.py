@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idem import Idempotency, Scope
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import age_record, empty_store
 

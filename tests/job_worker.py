@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from flask_idem.errors import JobError
+from flask_idem.core.errors import JobError
 from sample_app import create_app
 from sample_app.jobs import renew_subscription
 

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from werkzeug.exceptions import HTTPException
 
 from flask_idem import Idempotency
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store, normalize_url
 
 from .conftest import Counter

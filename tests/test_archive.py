@@ -13,11 +13,11 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope, create_store
-from flask_idem.config import Settings
-from flask_idem.errors import ConfigurationError
-from flask_idem.metrics import exposition
-from flask_idem.migrate import upgrade
-from flask_idem.record import Archive
+from flask_idem.core.config import Settings
+from flask_idem.core.errors import ConfigurationError
+from flask_idem.core.record import Archive
+from flask_idem.ops.metrics import exposition
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore
 from flask_idem.testing import empty_store
 

@@ -318,7 +318,7 @@ def _client_process(port: int, keys: list[str], start: t.Any, answers: t.Any) ->
 
 @pytest.fixture(params=["postgresql", "sqlite"])
 def atomic_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    from flask_idem.migrate import upgrade
+    from flask_idem.ops.migrate import upgrade
 
     if request.param == "postgresql":
         url = str(request.getfixturevalue("fresh_pg_database")())
@@ -466,7 +466,7 @@ def test_claims_stay_exclusive_when_the_database_defaults_to_repeatable_read(
     fresh_pg_database: t.Callable[[], str],
 ) -> None:
     """Under REPEATABLE READ the claim's lookup would miss the winner's committed row."""
-    from flask_idem.migrate import upgrade
+    from flask_idem.ops.migrate import upgrade
     from flask_idem.store import create_store
 
     url = fresh_pg_database()

@@ -12,8 +12,8 @@ import pytest
 from click.testing import Result
 
 from flask_idem import DownstreamRecord, Idempotency, Scope, derive_key
-from flask_idem.audit import Finding, audit
-from flask_idem.keys import key_hash
+from flask_idem.core.idempotency_keys import key_hash
+from flask_idem.ops.downstream import Finding, audit
 from flask_idem.store import SQLStore
 
 from .conftest import shift

@@ -27,7 +27,7 @@ from bench.apps import (
     protected,
     protected_atomic,
 )
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 
 BODY = {"amount": 4200, "currency": "EUR", "customer": "cus_bench"}
 

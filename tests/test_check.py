@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from click.testing import Result
 
 from flask_idem import Idempotency, create_store
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import PostgresStore, SQLStore, normalize_url
 
 from .test_migrations import HEAD

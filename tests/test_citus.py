@@ -30,10 +30,10 @@ import flask
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Idempotency, Scope, StoredResponse, citus
-from flask_idem.citus import Step
-from flask_idem.keys import key_hash
-from flask_idem.store import SQLStore, Store, create_engine, create_store
+from flask_idem import Idempotency, Scope, StoredResponse
+from flask_idem.core.idempotency_keys import key_hash
+from flask_idem.store import SQLStore, Store, citus, create_engine, create_store
+from flask_idem.store.citus import Step
 
 from .conftest import Counter, shift
 

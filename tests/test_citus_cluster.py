@@ -19,8 +19,8 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope
-from flask_idem.keys import key_hash
-from flask_idem.migrate import upgrade
+from flask_idem.core.idempotency_keys import key_hash
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import empty_store
 from flask_idem.testing.contract import FP, StoreContract

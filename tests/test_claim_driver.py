@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Scope, State, StoreUnavailable, create_store
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing import empty_store
 from flask_idem.testing.contract import FP, RESPONSE

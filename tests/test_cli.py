@@ -25,8 +25,8 @@ import sqlalchemy as sa
 from click.testing import Result
 
 from flask_idem import Idempotency, Scope, State, StoredResponse, create_store
-from flask_idem.keys import key_hash
-from flask_idem.migrate import upgrade
+from flask_idem.core.idempotency_keys import key_hash
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore
 
 from .conftest import Counter, shift

@@ -28,7 +28,7 @@ from flask_idem.client import (
     RetryPolicy,
     parse_retry_after,
 )
-from flask_idem.keys import KEY_PATTERN, new_key, normalize
+from flask_idem.core.idempotency_keys import KEY_PATTERN, new_key, normalize
 
 FAST = RetryPolicy(max_attempts=6, total_timeout=10, base_delay=0.001, max_delay=0.01)
 

@@ -2,7 +2,7 @@
 may or may not be recorded, and the retry finds out which, once.
 
 PostgreSQL's ``statement_timeout`` does not bound deferred trigger work at COMMIT, so only the
-client-side deadline (:mod:`flask_idem.store.guards`) ends the wait; the server may still
+client-side deadline (:mod:`flask_idem.store.engines`) ends the wait; the server may still
 commit afterwards. The log once said the store failed "before the commit", which tells an
 operator the payment was not recorded when it was.
 """
@@ -17,12 +17,12 @@ import flask
 import pytest
 
 from flask_idem import Idempotency
-from flask_idem.store import SQLStore, guards
+from flask_idem.store import SQLStore, engines
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 
 #: The trigger outlasts the client-side deadline by a margin.
-COMMIT_SECONDS = guards.STATEMENT_TIMEOUT + guards.DEADLINE_GRACE + 2
+COMMIT_SECONDS = engines.STATEMENT_TIMEOUT + engines.DEADLINE_GRACE + 2
 SLOW_AMOUNT = 13
 
 SLOW_COMMIT_DDL = f"""
@@ -79,7 +79,7 @@ def test_a_commit_past_the_deadline_is_reported_as_uncertain(
     assert "before the commit" not in logged, logged
     assert "may or may not be recorded" in logged, logged
     # The server finishes the trigger on its own time; then the retry learns the truth.
-    time.sleep(COMMIT_SECONDS - guards.STATEMENT_TIMEOUT - guards.DEADLINE_GRACE + 1)
+    time.sleep(COMMIT_SECONDS - engines.STATEMENT_TIMEOUT - engines.DEADLINE_GRACE + 1)
     retry = client.post("/payments", json={"amount": SLOW_AMOUNT}, headers=headers)
     rows = _rows(pg_store)
     assert rows <= 1, "never two payments for one key"

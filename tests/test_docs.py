@@ -10,8 +10,8 @@ import typing as t
 from pathlib import Path
 
 import flask_idem
-from flask_idem import problem
-from flask_idem.config import DEFAULTS
+from flask_idem.core import problem
+from flask_idem.core.config import DEFAULTS
 
 DOCS = Path(__file__).parent.parent / "docs"
 ROW = re.compile(r"^\| `(IDEMPOTENCY_\w+)` \| `(.*?)` \| (.+) \|$", re.M)

@@ -21,10 +21,8 @@ import sqlalchemy as sa
 from click.testing import Result
 
 from flask_idem import ConfigurationError, Idempotency, Scope, State, StoredResponse
-from flask_idem.config import Settings
-from flask_idem.migrate import upgrade
-from flask_idem.reconcile import Verdict, reconcile
-from flask_idem.sealing import (
+from flask_idem.core.config import Settings
+from flask_idem.core.sealing import (
     COMPRESSED,
     ENCRYPTED,
     HEADER_SIZE,
@@ -35,6 +33,8 @@ from flask_idem.sealing import (
     generate_key,
     parse_keys,
 )
+from flask_idem.ops.migrate import upgrade
+from flask_idem.ops.reconcile import Verdict, reconcile
 from flask_idem.store import SQLStore, create_store
 
 from . import pgcluster

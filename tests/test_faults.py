@@ -29,7 +29,7 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from flask_idem.store import guards
+from flask_idem.store import engines
 
 from . import pgcluster
 from .drivers import PG_DRIVERS, spelled_for
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 
 #: A silent database answers 503 after the statement timeout and its grace; this bound is
 #: generous on purpose (2 shared cores), yet well below gunicorn's 30 s worker timeout.
-PROMISED = guards.STATEMENT_TIMEOUT + guards.DEADLINE_GRACE
+PROMISED = engines.STATEMENT_TIMEOUT + engines.DEADLINE_GRACE
 BOUND = PROMISED + 6
 #: What a request may add to the store's promise when that is the bound under test: the
 #: hooks' own work and the scheduling of 2 shared cores, never a second database wait.

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from flask_idem.fingerprint import (
+from flask_idem.core.fingerprint import (
     _ZEROS,
     _exact_canonical_json,
     _plain_canonical_json,

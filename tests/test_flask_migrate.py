@@ -25,9 +25,14 @@ from alembic.script import ScriptDirectory
 from flask import Flask
 
 from flask_idem import Idempotency
-from flask_idem.migrate import BRANCH, add_version_location, include_object, versions_directory
+from flask_idem.ops.migrate import (
+    BRANCH,
+    add_version_location,
+    include_object,
+    versions_directory,
+)
 from flask_idem.store import create_engine, normalize_url
-from flask_idem.table import TABLE_NAME, VERSION_TABLE
+from flask_idem.store.table import TABLE_NAME, VERSION_TABLE
 
 from .test_migrations import HEAD, table_names
 
@@ -40,7 +45,7 @@ APP = textwrap.dedent(
     from flask_sqlalchemy import SQLAlchemy
     from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-    import flask_idem.migrate
+    import flask_idem.ops.migrate
     from flask_idem import Idempotency
 
     class Base(DeclarativeBase):
@@ -50,7 +55,7 @@ APP = textwrap.dedent(
     db = SQLAlchemy(model_class=Base)
     migrate = Migrate()
     if os.environ.get("INCLUDE_IDEM"):
-        flask_idem.migrate.include_in(migrate)
+        flask_idem.ops.migrate.include_in(migrate)
 
 
     class Order(db.Model):
@@ -301,7 +306,11 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path
     suite = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (site_packages / "suite-dependencies.pth").write_text("".join(f"{p}\n" for p in suite))
     imported = subprocess.run(
-        [python, "-c", "import flask_idem.migrate as m; print(m.__file__, m.versions_directory())"],
+        [
+            python,
+            "-c",
+            "import flask_idem.ops.migrate as m; print(m.__file__, m.versions_directory())",
+        ],
         cwd=work,
         check=True,
         capture_output=True,
@@ -380,7 +389,7 @@ def test_include_in_runs_the_application_hooks_first(tmp_path: Path, before_init
     from flask_migrate import Migrate
     from flask_sqlalchemy import SQLAlchemy
 
-    import flask_idem.migrate
+    import flask_idem.ops.migrate
 
     (tmp_path / "migrations" / "versions").mkdir(parents=True)  # as `flask db init` leaves it
     app = Flask("hooks")
@@ -398,10 +407,10 @@ def test_include_in_runs_the_application_hooks_first(tmp_path: Path, before_init
     hooks = {"process_revision_directives": own_directives, "include_object": own_objects}
     migrate = Migrate(directory=str(tmp_path / "migrations"), **hooks)
     if before_init_app:
-        flask_idem.migrate.include_in(migrate)
+        flask_idem.ops.migrate.include_in(migrate)
     migrate.init_app(app, db)
     if not before_init_app:
-        flask_idem.migrate.include_in(migrate)
+        flask_idem.ops.migrate.include_in(migrate)
     with app.app_context():
         config = migrate.get_config()
         installed = dict(app.extensions["migrate"].configure_args)

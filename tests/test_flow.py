@@ -224,7 +224,7 @@ def test_no_tenant_no_claim(app_factory: Factory, store: SQLStore) -> None:
 def _hold(store: SQLStore, key: str = "key-1", lease: float = 30, tenant: str = "alpha") -> str:
     """Claim the key as a concurrent first request would, with the app's fingerprint."""
     app_body = json.dumps({"amount": 4200}).encode()
-    from flask_idem.fingerprint import fingerprint
+    from flask_idem.core.fingerprint import fingerprint
 
     digest = fingerprint("POST", "/payments", {}, [], app_body, "application/json")
     return store.claim(Scope(tenant, PAYMENTS, key), digest, ttl=86400, lease=lease).token
@@ -290,7 +290,7 @@ def test_expired_lease_with_reexecute_policy_takes_over_and_fences(
         counter.bump()
         return flask.jsonify(ok=True), 201
 
-    from flask_idem.fingerprint import fingerprint
+    from flask_idem.core.fingerprint import fingerprint
 
     scope = Scope("alpha", "POST /charges", "key-1")
     digest = fingerprint("POST", "/charges", {}, [], b"", None)

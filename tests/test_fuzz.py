@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flask_idem import Idempotency
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import create_store
 
 FUZZ = settings(

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from flask_idem.store.guards import Watchdog
+from flask_idem.store.engines import Watchdog
 
 
 def _recv_blocked(sock: socket.socket, watchdog: Watchdog, budget: float) -> tuple[bytes, bool]:

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope, State
-from flask_idem.errors import JobResultNotStored, JobResultUnreadable
+from flask_idem.core.errors import JobResultNotStored, JobResultUnreadable
 from flask_idem.store import SQLStore
 
 from .conftest import Counter

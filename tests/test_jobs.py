@@ -16,13 +16,13 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import ConfigurationError, Idempotency, Record, Scope, State, Verdict, signals
-from flask_idem.errors import (
+from flask_idem.core.errors import (
     JobInProgress,
     JobKeyReused,
     JobOutcomePending,
     JobResultNotStored,
 )
-from flask_idem.keys import InvalidKey
+from flask_idem.core.idempotency_keys import InvalidKey
 from flask_idem.store import SQLStore
 
 from .conftest import Counter, shift

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flask_idem import ConfigurationError, Idempotency, Scope
-from flask_idem.metrics import Metrics, TableCollector
+from flask_idem.ops.metrics import Metrics, TableCollector
 from flask_idem.store import SQLStore
 
 from .conftest import shift

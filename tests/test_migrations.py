@@ -13,9 +13,9 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 
 from flask_idem import Idempotency, Scope
-from flask_idem.migrate import downgrade, upgrade
+from flask_idem.ops.migrate import downgrade, upgrade
 from flask_idem.store import create_engine, create_store, normalize_url
-from flask_idem.table import TABLE_NAME, VERSION_TABLE, metadata
+from flask_idem.store.table import TABLE_NAME, VERSION_TABLE, metadata
 from flask_idem.testing.contract import FP, RESPONSE
 
 FUNCTIONS = {

@@ -15,7 +15,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 
 from flask_idem import Idempotency, JobOutcomePending, Scope, State, signals
-from flask_idem.otel import Telemetry
+from flask_idem.ops.otel import Telemetry
 from flask_idem.store import SQLStore
 
 SECRET = "observer-secret-key-9d2e"

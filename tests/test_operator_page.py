@@ -14,7 +14,7 @@ import flask
 import pytest
 
 from flask_idem import Idempotency, Scope
-from flask_idem.keys import key_hash
+from flask_idem.core.idempotency_keys import key_hash
 from flask_idem.store import SQLStore, create_store
 
 from . import browser

@@ -23,9 +23,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from flask_idem import Idempotency, Scope
-from flask_idem.keys import key_hash
-from flask_idem.migrate import upgrade
-from flask_idem.otel import Telemetry
+from flask_idem.core.idempotency_keys import key_hash
+from flask_idem.ops.migrate import upgrade
+from flask_idem.ops.otel import Telemetry
 from flask_idem.store import SQLStore, create_store
 
 SECRET = "otel-secret-key-4f8c2a1e"

@@ -574,7 +574,7 @@ def test_a_stale_reconciler_verdict_never_settles_a_retry(
 ) -> None:
     """The reconciler looks the provider up while a retry takes the operation over (and fails
     again): its stale "not happened" must not delete the retry's record."""
-    from flask_idem.reconcile import Verdict, reconcile
+    from flask_idem.ops.reconcile import Verdict, reconcile
 
     app, idem, _ = app_factory()
     provider = FakeProvider()
@@ -605,7 +605,7 @@ def test_a_stale_reconciler_verdict_never_settles_a_retry(
 
 
 def test_reconcile_finds_views_the_extension_wrapped(store: SQLStore) -> None:
-    from flask_idem.reconcile import Verdict, reconcile
+    from flask_idem.ops.reconcile import Verdict, reconcile
 
     app = flask.Flask("wrapped")
     idem = Idempotency(store=store, tenant=lambda: "alpha")

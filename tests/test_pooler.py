@@ -24,10 +24,11 @@ import psycopg2
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Scope, check
-from flask_idem.errors import StoreUnavailable
-from flask_idem.migrate import upgrade
-from flask_idem.store import create_engine, create_store, guards
+from flask_idem import Scope
+from flask_idem.core.errors import StoreUnavailable
+from flask_idem.ops import check
+from flask_idem.ops.migrate import upgrade
+from flask_idem.store import create_engine, create_store, engines
 from flask_idem.testing import empty_store
 
 from . import pgbouncer, pgcluster
@@ -53,7 +54,7 @@ from .test_sample_app import in_background, wait_for
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 
 #: What the claim functions bound their transaction with when the session has no bound.
-CLAIM_BOUND = f"{guards.STATEMENT_TIMEOUT:g}s"
+CLAIM_BOUND = f"{engines.STATEMENT_TIMEOUT:g}s"
 #: Settings a store session must never leave behind on a pooled server connection, and the
 #: server's defaults (the cluster sets none of them).
 SESSION_DEFAULTS = {
@@ -179,7 +180,7 @@ def test_an_atomic_claim_bounds_its_business_transaction_behind_the_pooler(
         with pytest.raises(sa.exc.OperationalError, match="statement timeout"):
             connection.exec_driver_sql("SELECT pg_sleep(30)")
         # The server's own bound, not the client-side deadline one second later.
-        assert time.monotonic() - started < guards.STATEMENT_TIMEOUT + guards.DEADLINE_GRACE
+        assert time.monotonic() - started < engines.STATEMENT_TIMEOUT + engines.DEADLINE_GRACE
 
 
 def test_the_check_sends_an_operator_behind_the_pooler_to_the_role(pooled_store: t.Any) -> None:
@@ -213,7 +214,7 @@ def test_a_durable_claim_waits_for_a_held_scope_lock_no_longer_than_the_bound(
         holder.rollback()
         holder.close()
     assert "lock timeout" in str(caught.value.__cause__)
-    assert guards.STATEMENT_TIMEOUT - 0.5 < waited < guards.STATEMENT_TIMEOUT + 1.5
+    assert engines.STATEMENT_TIMEOUT - 0.5 < waited < engines.STATEMENT_TIMEOUT + 1.5
 
 
 def test_nothing_stays_on_a_server_connection_another_client_gets(

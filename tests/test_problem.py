@@ -14,8 +14,14 @@ from hypothesis import strategies as st
 from werkzeug.datastructures import EnvironHeaders, Headers
 
 from flask_idem import Problem, Record, Scope, State, derive_key
-from flask_idem.keys import KEY_PATTERN, InvalidKey, echo_of_invalid, normalize, read_key
-from flask_idem.problem import KeyReused, RequestInProgress, StoreUnavailableProblem
+from flask_idem.core.idempotency_keys import (
+    KEY_PATTERN,
+    InvalidKey,
+    echo_of_invalid,
+    normalize,
+    read_key,
+)
+from flask_idem.core.problem import KeyReused, RequestInProgress, StoreUnavailableProblem
 
 ALPHABET = string.ascii_letters + string.digits + "-_.:~+/="
 NAMES = ("Idempotency-Key", "X-Idempotency-Key")

@@ -26,8 +26,8 @@ import sqlalchemy as sa
 from click.testing import Result
 
 from flask_idem import ConfigurationError, Idempotency, Record, Scope, State, Verdict
-from flask_idem.migrate import upgrade
-from flask_idem.reconcile import resolve_targets
+from flask_idem.ops.migrate import upgrade
+from flask_idem.ops.reconcile import resolve_targets
 from flask_idem.store import SQLStore
 
 from . import pgcluster, slow_app

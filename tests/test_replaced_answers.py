@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from flask_idem import Idempotency
 from flask_idem.store import SQLStore
-from flask_idem.table import idempotency_keys
+from flask_idem.store.table import idempotency_keys
 
 
 def test_a_lost_lease_answer_carries_the_cors_header(store: SQLStore) -> None:

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idem import Idempotency
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import normalize_url
 from flask_idem.testing import empty_store
 

@@ -3,7 +3,7 @@
 Every contract test on the ``main`` or ``slow`` server (an in-flight duplicate, a worker killed
 with -9 mid-request) runs again here, against a sample app whose database is the Citus
 coordinator: migrated with ``make migrate``, then distributed
-with :func:`flask_idem.citus.distribute` (the app's own tables stay local on the coordinator).
+with :func:`flask_idem.store.citus.distribute` (the app's own tables stay local on the coordinator).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import typing as t
 
 import pytest
 
-from flask_idem import citus
-from flask_idem.store import create_engine
+from flask_idem.store import citus, create_engine
 
 from . import test_sample_app as contract
 from .citus_cluster import CitusCluster

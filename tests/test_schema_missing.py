@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Idempotency, SchemaMissing, Scope, StoreUnavailable, create_store
-from flask_idem.migrate import upgrade
+from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore
 
 FP = b"\x01" * 32

@@ -12,7 +12,7 @@ import flask
 import pytest
 
 from flask_idem import Idempotency, Scope
-from flask_idem.record import State
+from flask_idem.core.record import State
 from flask_idem.store import SQLStore
 
 

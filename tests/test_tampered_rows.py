@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import ConfigurationError, Idempotency, Verdict
-from flask_idem.sealing import MAGIC
+from flask_idem.core.sealing import MAGIC
 from flask_idem.store import SQLStore
 
 from .conftest import Counter

@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope, StoredResponse, Verdict
-from flask_idem.keys import key_hash
-from flask_idem.record import Record
+from flask_idem.core.idempotency_keys import key_hash
+from flask_idem.core.record import Record
 from flask_idem.store import SQLStore
 
 from .conftest import Counter, count_statements, shift

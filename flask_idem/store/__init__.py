@@ -6,8 +6,8 @@ import typing as t
 
 import sqlalchemy as sa
 
-from ..errors import ConfigurationError
-from . import guards, pooler
+from ..core.errors import ConfigurationError
+from . import engines, pooler
 from .base import Store
 from .postgresql import PostgresStore
 from .sql import SQLStore
@@ -43,10 +43,10 @@ def normalize_url(url: str | sa.URL) -> sa.URL:
 
 
 #: libpq settings that turn a dead or silent database into an error within seconds, so that a
-#: request fails closed with 503 instead of hanging a worker (see :mod:`.guards` for the
+#: request fails closed with 503 instead of hanging a worker (see :mod:`.engines` for the
 #: statement deadline a frozen server needs on top of these).
 PG_CONNECT_ARGS: dict[str, int] = {
-    "connect_timeout": guards.CONNECT_TIMEOUT,
+    "connect_timeout": engines.CONNECT_TIMEOUT,
     "keepalives": 1,
     "keepalives_idle": 10,
     "keepalives_interval": 3,
@@ -58,15 +58,15 @@ PG_CONNECT_ARGS: dict[str, int] = {
 def engine_options(
     url: str | sa.URL,
     *,
-    statement_timeout: float | None = guards.STATEMENT_TIMEOUT,
-    connect_timeout: int = guards.CONNECT_TIMEOUT,
+    statement_timeout: float | None = engines.STATEMENT_TIMEOUT,
+    connect_timeout: int = engines.CONNECT_TIMEOUT,
 ) -> dict[str, t.Any]:
     """The :func:`sqlalchemy.create_engine` arguments the store relies on, for engines built
     elsewhere: Flask-SQLAlchemy's ``SQLALCHEMY_ENGINE_OPTIONS`` with ``Idempotency(db=db)``.
 
     Statement parameters are hidden from error messages and logs (they carry idempotency keys,
     claim tokens and response bodies); on PostgreSQL sessions use READ COMMITTED, statement
-    and lock timeouts and the client-side deadline (:mod:`flask_idem.store.guards`).
+    and lock timeouts and the client-side deadline (:mod:`flask_idem.store.engines`).
 
     :param statement_timeout: seconds a statement may run or wait for a lock (PostgreSQL
         ``statement_timeout`` and ``lock_timeout``, a client-side deadline one second later
@@ -88,14 +88,14 @@ def engine_options(
     if statement_timeout is not None:
         milliseconds = int(statement_timeout * 1000)
         session += [f"-c statement_timeout={milliseconds}", f"-c lock_timeout={milliseconds}"]
-        deadline = statement_timeout + guards.DEADLINE_GRACE
+        deadline = statement_timeout + engines.DEADLINE_GRACE
         if normalize_url(url).get_driver_name() == "psycopg":
             from . import deadline_psycopg
 
             # Not a psycopg argument: the engine's connect (:mod:`.pooler`) takes it out.
             connect_args[pooler.CONNECTION_CLASS] = deadline_psycopg.connection_class(deadline)
         else:
-            connect_args["connection_factory"] = guards.connection_factory(deadline)
+            connect_args["connection_factory"] = engines.connection_factory(deadline)
     connect_args["options"] = " ".join(session)
     return {
         "pool_size": 10,
@@ -113,18 +113,18 @@ def prepare_engine(engine: sa.Engine) -> sa.Engine:
     apart). Idempotent; applied to every store's engine."""
     if engine.dialect.name == "postgresql":
         pooler.connect_without_refused_options(engine)
-        if not sa.event.contains(engine, "connect", guards.quiet_server_log):
-            sa.event.listen(engine, "connect", guards.quiet_server_log)
-            sa.event.listen(engine, "connect", guards.end_of_setup)  # after the setup's
-    guards.make_fork_safe(engine)
+        if not sa.event.contains(engine, "connect", engines.quiet_server_log):
+            sa.event.listen(engine, "connect", engines.quiet_server_log)
+            sa.event.listen(engine, "connect", engines.end_of_setup)  # after the setup's
+    engines.make_fork_safe(engine)
     return engine
 
 
 def create_engine(
     url: str | sa.URL,
     *,
-    statement_timeout: float | None = guards.STATEMENT_TIMEOUT,
-    connect_timeout: int = guards.CONNECT_TIMEOUT,
+    statement_timeout: float | None = engines.STATEMENT_TIMEOUT,
+    connect_timeout: int = engines.CONNECT_TIMEOUT,
     **options: t.Any,
 ) -> sa.Engine:
     """An engine with the pool and connection settings the store relies on (see

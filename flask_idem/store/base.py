@@ -14,8 +14,8 @@ import typing as t
 
 import sqlalchemy as sa
 
-from ..errors import ConfigurationError
-from ..record import (
+from ..core.errors import ConfigurationError
+from ..core.record import (
     Archive,
     ClaimResult,
     Health,
@@ -25,8 +25,8 @@ from ..record import (
     Scope,
     StoredResponse,
 )
-from ..sealing import Sealer
-from ..trail import AuditEntry
+from ..core.sealing import Sealer
+from .trail import AuditEntry
 
 
 class Store(abc.ABC):
@@ -180,9 +180,9 @@ class Store(abc.ABC):
         """Live records of ``key`` in one tenant, on one endpoint or all (operators' view)."""
 
     def find_hashed(self, tenant: str, key_hash: str, endpoint: str | None = None) -> list[Record]:
-        """:meth:`find` by the key hash logs and the CLI print (:func:`flask_idem.keys.key_hash`)
-        instead of the key, for operators who must not type raw keys into a shell. A key hash
-        names one endpoint's key.
+        """:meth:`find` by the key hash logs and the CLI print
+        (:func:`~flask_idem.core.idempotency_keys.key_hash`) instead of the key, for operators
+        who must not type raw keys into a shell. A key hash names one endpoint's key.
 
         :raises ConfigurationError: the store cannot (the default): look up by key instead.
         """
@@ -201,7 +201,7 @@ class Store(abc.ABC):
         """Records of ``endpoints`` created, completed or last leased in ``[start, end)``
         (a takeover of an older record ran in the window too), live or expired but not yet
         purged, oldest first, across tenants, without their stored responses (for the
-        next-day audit, :mod:`flask_idem.audit`)."""
+        next-day audit, :mod:`flask_idem.ops.downstream`)."""
 
     @abc.abstractmethod
     def resolve(

@@ -19,7 +19,7 @@ store primitives run under :func:`store_own` and count for nobody.
 
 :func:`open_counting` opens them for an engine flask_idem did not build (Flask-SQLAlchemy's,
 ``IDEMPOTENCY_ENGINE``) unless its ``connect_args`` name a connection class of their own; the
-client-side deadline's connection classes (:mod:`.guards`, :mod:`.deadline_psycopg`) count too.
+client-side deadline's connection classes (:mod:`.engines`, :mod:`.deadline_psycopg`) count too.
 SQLite needs none of it: its store transactions all begin with an explicit ``BEGIN``, so
 sqlite3's ``in_transaction`` shows one ended below SQLAlchemy (see :func:`flask_idem.commits.
 ended_outside`).

@@ -1,8 +1,8 @@
-"""The client-side deadline of :mod:`.guards` for psycopg 3 connections (``postgresql+psycopg``).
+"""The client-side deadline of :mod:`.engines` for psycopg 3 connections (``postgresql+psycopg``).
 
 psycopg 3 runs every wait for the server (statements, fetches of a server-side cursor, COPY,
 commit, rollback) through one method, :meth:`psycopg.Connection.wait`, so a connection class
-that arms the :class:`~flask_idem.store.guards.Watchdog` around it bounds them all. Imported
+that arms the :class:`~flask_idem.store.engines.Watchdog` around it bounds them all. Imported
 only for psycopg 3 engines: psycopg 3 is not a dependency.
 """
 
@@ -16,7 +16,7 @@ import typing as t
 import psycopg
 
 from .commit_count import psycopg_class
-from .guards import WATCHDOG
+from .engines import WATCHDOG
 
 
 class DeadlineExceeded(psycopg.OperationalError):
@@ -29,7 +29,7 @@ class DeadlineConnection(psycopg_class()):  # type: ignore[misc]
 
     #: Seconds any one operation after connecting may wait.
     flask_idem_deadline: float
-    #: When the connection's setup must be over (see :func:`.guards.end_of_setup`).
+    #: When the connection's setup must be over (see :func:`.engines.end_of_setup`).
     flask_idem_setup_ends = math.inf
 
     @classmethod

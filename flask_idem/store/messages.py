@@ -16,7 +16,7 @@ import typing as t
 
 import sqlalchemy as sa
 
-from ..errors import IdempotencyError
+from ..core.errors import IdempotencyError
 
 #: SQLSTATE classes whose messages may quote the values of a row (data exceptions, integrity
 #: violations): only their name is shown.

@@ -15,7 +15,7 @@ alone, through the same fallback, so that its pooled sessions are told apart too
 gets flask_idem's settings. A pooled session gets no session ``SET`` and prepares no statement
 (:func:`behind_pooler`); the claim functions bound their own transaction instead (migration
 0008, ``set_config(..., true)``), the transactions of flask_idem's own engines are begun
-``READ COMMITTED`` by the driver, and their client-side deadline (:mod:`.guards`) is a
+``READ COMMITTED`` by the driver, and their client-side deadline (:mod:`.engines`) is a
 client's own and holds as it is. What only the role can give (bounds for the other store
 statements, a quiet log for their failures) is checked once: a warning names the missing
 ``ALTER ROLE`` settings (docs/operations.md, "Behind a pooler").

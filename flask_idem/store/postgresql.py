@@ -71,12 +71,9 @@ import typing as t
 
 import sqlalchemy as sa
 
-from ..errors import ConfigurationError, StoreUnavailable
-from ..record import Archive, ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
-from ..table import DEFAULT_PARTITION
-from ..table import idempotency_audit as audit_table
-from ..table import idempotency_keys as table
-from . import commit_count, guards
+from ..core.errors import ConfigurationError, StoreUnavailable
+from ..core.record import Archive, ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
+from . import commit_count, engines
 from .sql import (
     AUDIT_COLUMNS,
     HEADERS_TYPE,
@@ -87,6 +84,9 @@ from .sql import (
     new_token,
     translate_errors,
 )
+from .table import DEFAULT_PARTITION
+from .table import idempotency_audit as audit_table
+from .table import idempotency_keys as table
 
 log = logging.getLogger("flask_idem")
 
@@ -286,7 +286,7 @@ def _claim_parameters(
 
 @dataclasses.dataclass(frozen=True)
 class _Reservation:
-    """:class:`~flask_idem.record.Reservation` of :meth:`PostgresStore.claim_atomic`."""
+    """:class:`~flask_idem.core.record.Reservation` of :meth:`PostgresStore.claim_atomic`."""
 
     store: PostgresStore
     connection: sa.Connection
@@ -349,7 +349,7 @@ class PostgresStore(SQLStore):
         if self.audit:
             statement = _CLAIM_AUDITED
             parameters.update(self._audit_values(scope, "claimed"))
-        with _isolation_explained(), translate_errors(), guards.OneDeadline():
+        with _isolation_explained(), translate_errors(), engines.OneDeadline():
             if _observed(self.engine):
                 with self.connect() as conn:
                     values = tuple(conn.exec_driver_sql(statement, parameters).one())
@@ -378,7 +378,7 @@ class PostgresStore(SQLStore):
             # A view that ended idem.connection()'s transaction itself (commit as you go):
             # SQLAlchemy begins the next one, which the completion then commits with.
             return super()._send(statement, parameters, connection)
-        with translate_errors(), guards.OneDeadline():
+        with translate_errors(), engines.OneDeadline():
             bound = statement.parameters(parameters)
             if connection is None:
                 return t.cast(int, self._autocommitted(statement.sql, bound, _row_count))
@@ -546,7 +546,7 @@ class PostgresStore(SQLStore):
     ) -> bool:
         """Insert the record :meth:`claim_atomic` reserved, completed with ``response``, into
         ``connection``'s transaction, if it is still the one that reserved it (see
-        :class:`~flask_idem.record.Reservation`)."""
+        :class:`~flask_idem.core.record.Reservation`)."""
         scope = record.scope
         parameters = {
             "p_tenant": scope.tenant,

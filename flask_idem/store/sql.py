@@ -19,16 +19,15 @@ import typing as t
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from .. import trail
-from ..errors import SchemaMissing, StoreUnavailable, UnreadableResponse
-from ..keys import key_hash
-from ..record import ClaimResult, Health, KeyUsage, Record, Scope, State, StoredResponse
-from ..sealing import KEY_ID_OFFSET, KEY_ID_SIZE, MAGIC, Sealer, key_id_of
-from ..table import idempotency_audit as audit_table
-from ..table import idempotency_keys as table
-from ..trail import AuditEntry
-from . import guards
+from ..core.errors import SchemaMissing, StoreUnavailable, UnreadableResponse
+from ..core.idempotency_keys import key_hash
+from ..core.record import ClaimResult, Health, KeyUsage, Record, Scope, State, StoredResponse
+from ..core.sealing import KEY_ID_OFFSET, KEY_ID_SIZE, MAGIC, Sealer, key_id_of
+from . import engines, trail
 from .base import Store
+from .table import idempotency_audit as audit_table
+from .table import idempotency_keys as table
+from .trail import AuditEntry
 
 #: Columns read back for a record, in a fixed order shared with the claim function.
 RECORD_COLUMNS: tuple[str, ...] = (
@@ -310,7 +309,7 @@ class SQLStore(Store):
         parameters: dict[str, t.Any] | None = None,
         connection: sa.Connection | None = None,
     ) -> Outcome:
-        with translate_errors(), guards.OneDeadline():
+        with translate_errors(), engines.OneDeadline():
             if connection is not None:
                 return Outcome.of(_run(connection, statement, parameters))
             with self.connect() as conn:
@@ -348,7 +347,7 @@ class SQLStore(Store):
             statement = statement.returning(*(table.c[name] for name in AUDIT_SOURCE))
         values = self._audit_values(scope, event)
         deleted = isinstance(statement, sa.Delete)
-        with translate_errors(), guards.OneDeadline():
+        with translate_errors(), engines.OneDeadline():
             if connection is not None:
                 return self._audited(connection, statement, {**parameters, **values}, deleted)
             with self.connect() as conn:
@@ -539,8 +538,8 @@ class SQLStore(Store):
 
     @abc.abstractmethod
     def scope_hash(self) -> sa.ColumnElement[str]:
-        """Each row's key hash (:func:`flask_idem.keys.key_hash` of its scope), computed by
-        the database, for lookups by key hash."""
+        """Each row's key hash (:func:`~flask_idem.core.idempotency_keys.key_hash` of its
+        scope), computed by the database, for lookups by key hash."""
 
     def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
         return self._find(tenant, table.c.key == key, endpoint)
@@ -748,7 +747,7 @@ class SQLStore(Store):
         return [audit_entry(row) for row in self._execute(statement).rows]
 
     def begin(self) -> sa.Connection:
-        with translate_errors(), guards.OneDeadline():
+        with translate_errors(), engines.OneDeadline():
             connection = self.engine.connect()
             try:
                 connection.begin()

@@ -13,17 +13,17 @@ import typing as t
 
 import sqlalchemy as sa
 
-from ..keys import key_hash
-from ..record import ClaimResult, MaintenanceReport, Scope, State
-from ..table import idempotency_audit as audit_table
-from ..table import idempotency_keys as table
+from ..core.idempotency_keys import key_hash
+from ..core.record import ClaimResult, MaintenanceReport, Scope, State
 from . import commit_count
 from .sql import Outcome, SQLStore, new_token, record_from_row, translate_errors
+from .table import idempotency_audit as audit_table
+from .table import idempotency_keys as table
 
 # The database clock, in the text layout SQLAlchemy uses for DateTime on SQLite (so that string
 # comparison is time comparison): microseconds padded from SQLite's milliseconds.
 _CLOCK = "strftime('%Y-%m-%d %H:%M:%f', 'now'{modifier}) || '000'"
-#: The SQL function each connection gets for :func:`flask_idem.keys.key_hash`.
+#: The SQL function each connection gets for :func:`flask_idem.core.idempotency_keys.key_hash`.
 _SCOPE_HASH = "flask_idem_key_hash"
 
 

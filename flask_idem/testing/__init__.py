@@ -25,11 +25,11 @@ import typing as t
 import sqlalchemy as sa
 from flask import Flask
 
-from .. import signals
-from ..migrate import upgrade
-from ..record import Scope
+from ..core import signals
+from ..core.record import Scope
+from ..ops.migrate import upgrade
 from ..store import SQLStore, Store, create_store
-from ..table import AUDIT_TABLE_NAME, TABLE_NAME
+from ..store.table import AUDIT_TABLE_NAME, TABLE_NAME
 
 if t.TYPE_CHECKING:
     from flask.testing import FlaskClient

@@ -24,7 +24,7 @@ import hashlib
 
 import pytest
 
-from ..record import Scope, State, StoredResponse
+from ..core.record import Scope, State, StoredResponse
 from ..store import Store
 from . import age_record
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from flask_idem.store import SQLStore
-from flask_idem.testing import ready_store
+from ..store import SQLStore
+from . import ready_store
 
 #: Environment variable naming the database of ``idem_store`` (PostgreSQL or SQLite).
 DATABASE_URL_VARIABLE = "IDEMPOTENCY_TEST_DATABASE_URL"

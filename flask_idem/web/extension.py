@@ -1,7 +1,7 @@
 """The Flask extension: registration, the per-view decorator and the helpers views call.
 
-The request flow itself (claim, replay, finish, give up) is :mod:`flask_idem.flow`; jobs are
-:mod:`flask_idem.jobs`, the next-day check :mod:`flask_idem.audit`.
+The request flow itself (claim, replay, finish, give up) is :mod:`flask_idem.web.flow`; jobs are
+:mod:`flask_idem.jobs`, the next-day check :mod:`flask_idem.ops.downstream`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ from flask import (
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import InternalServerError
 
-from . import flow, jobs
-from .body import read_body
-from .commits import guard_commits
-from .config import Settings
-from .errors import ConfigurationError, JobRefused, StoreUnavailable
-from .keys import derive_key
-from .lease import LeaseKeeper
-from .options import (
+from .. import jobs
+from ..commits import guard_commits
+from ..core.body import read_body
+from ..core.config import Settings
+from ..core.errors import ConfigurationError, JobRefused, StoreUnavailable
+from ..core.idempotency_keys import derive_key
+from ..core.options import (
     EXEMPT,
     OPTIONS_ATTRIBUTE,
     FingerprintFunction,
@@ -42,18 +41,20 @@ from .options import (
     ViewOptions,
     release_option,
 )
-from .sealing import Sealer
-from .sessions import EXTENSION_KEY as SQLALCHEMY_EXTENSION
-from .sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
-from .state import EXTENSION_NAME, AppState, RequestState
-from .store import Store, create_store
+from ..core.sealing import Sealer
+from ..lease import LeaseKeeper
+from ..sessions import EXTENSION_KEY as SQLALCHEMY_EXTENSION
+from ..sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
+from ..state import EXTENSION_NAME, AppState, RequestState
+from ..store import Store, create_store
+from . import flow
 
 if t.TYPE_CHECKING:
-    from .audit import Lookup, LookupTarget
-    from .metrics import Metrics
-    from .operator import OperatorAccess
-    from .otel import Telemetry
-    from .reconcile import Reconciler, ReconcilerTarget
+    from ..ops.downstream import Lookup, LookupTarget
+    from ..ops.metrics import Metrics
+    from ..ops.otel import Telemetry
+    from ..ops.reconcile import Reconciler, ReconcilerTarget
+    from .operator_page import OperatorAccess
 
 P = t.ParamSpec("P")
 R = t.TypeVar("R")
@@ -75,10 +76,10 @@ class Idempotency:
         ``SQLALCHEMY_DATABASE_URI`` one).
     :param operator: who may see the operator page, and which tenants' records (see
         :meth:`operator_access`); without it the page is off.
-    :param metrics: the Prometheus metrics to feed (:class:`flask_idem.metrics.Metrics`,
+    :param metrics: the Prometheus metrics to feed (:class:`flask_idem.ops.metrics.Metrics`,
         e.g. on a registry of your own); ``IDEMPOTENCY_METRICS = True`` uses the default one.
     :param telemetry: the OpenTelemetry spans and counters to feed
-        (:class:`flask_idem.otel.Telemetry`, e.g. on providers of your own);
+        (:class:`flask_idem.ops.otel.Telemetry`, e.g. on providers of your own);
         ``IDEMPOTENCY_OPENTELEMETRY = True`` uses the global providers.
     """
 
@@ -120,8 +121,8 @@ class Idempotency:
         stored).
         """
         # Both build on the extension's public API.
-        from .blueprint import create_blueprint
-        from .cli import idem_group
+        from ..ops.cli import idem_group
+        from .inspection import create_blueprint
 
         if EXTENSION_NAME in app.extensions:
             raise RuntimeError("flask_idem is already registered on this application")
@@ -165,11 +166,11 @@ class Idempotency:
         # closed with 503, never with a 500 and a traceback.
         app.register_error_handler(StoreUnavailable, flow.store_unavailable)
         if settings.metrics or self._metrics is not None:
-            from . import metrics
+            from ..ops import metrics
 
             metrics.install(app, self._metrics, settings)
         if settings.opentelemetry or self._telemetry is not None:
-            from . import otel
+            from ..ops import otel
 
             otel.install(app, self._telemetry, settings)
 
@@ -240,7 +241,7 @@ class Idempotency:
 
         ``flask idem reconcile`` calls it with each record left in progress past its lease or
         marked unknown; it looks the business outcome up by key and returns a
-        :class:`~flask_idem.reconcile.Verdict`::
+        :class:`~flask_idem.ops.reconcile.Verdict`::
 
             @idem.reconciler(create_payment)
             def payment_outcome(record):
@@ -272,7 +273,7 @@ class Idempotency:
         self, endpoint: ReconcilerTarget, *, step: str
     ) -> t.Callable[[Lookup], Lookup]:
         """Decorator registering what a downstream service recorded, for the next-day check
-        (``flask idem audit-downstream``, see :mod:`flask_idem.audit`).
+        (``flask idem audit-downstream``, see :mod:`flask_idem.ops.downstream`).
 
         The function gets a time window ``(start, end)`` and returns the service's operations
         created in it (the provider's charges), each with the downstream key it was sent::
@@ -286,7 +287,7 @@ class Idempotency:
             endpoints that call the same service (it is asked once per run).
         :param step: the step the endpoint passes to :meth:`downstream_key` for this call.
         """
-        from .audit import LookupTarget
+        from ..ops.downstream import LookupTarget
 
         def register(function: Lookup) -> Lookup:
             if endpoint in self._lookups:
@@ -320,7 +321,7 @@ class Idempotency:
         value as JSON with the business transaction of :meth:`connection`; a redelivered
         message gets that value back (decoded from JSON) instead of a second run. A call
         needs an app context, not a request. A redelivery while another worker still runs
-        the message raises :class:`~flask_idem.errors.JobInProgress` (retry it later)::
+        the message raises :class:`~flask_idem.core.errors.JobInProgress` (retry it later)::
 
             @idem.job("charge-order", key="order_id", tenant="merchant",
                       recovery="reexecute", release_before_contact=True)
@@ -562,7 +563,7 @@ class Idempotency:
         with the key runs the view again. After :meth:`downstream_key` or :meth:`side_effect`,
         or in a re-run of an ``unknown`` record, the attempt may have had an effect: it ends
         ``unknown`` as any other failure, never released. In a job it raises
-        :class:`~flask_idem.errors.JobRefused` carrying ``rv`` (retryable: the redelivery runs
+        :class:`~flask_idem.core.errors.JobRefused` carrying ``rv`` (retryable: the redelivery runs
         the job again). Without ``refuse`` a plain view's failure leaves the key ``unknown``.
         """
         state = RequestState.current()

@@ -1,5 +1,5 @@
 """OpenTelemetry (the ``opentelemetry`` extra): one span per protected request or job attempt,
-and the counters of :mod:`flask_idem.metrics` through the OpenTelemetry metrics API.
+and the counters of :mod:`flask_idem.ops.metrics` through the OpenTelemetry metrics API.
 
 ``IDEMPOTENCY_OPENTELEMETRY = True`` uses the global tracer and meter providers (set by the
 application, or by ``opentelemetry-instrument``); ``Idempotency(telemetry=Telemetry(...))``
@@ -29,13 +29,14 @@ import typing as t
 from blinker import NamedSignal
 from flask import Flask
 
-from . import __version__, counting, signals
-from .config import Settings
+from ..core import __version__, signals
+from ..core.config import Settings
+from ..core.errors import ConfigurationError
+from ..core.idempotency_keys import key_hash
+from ..core.options import JobOptions
+from ..state import EXTENSION_NAME, RequestState
+from . import counting
 from .counting import AT_CLAIM, CLAIM_BUCKETS, DESCRIPTIONS, VIEW_BUCKETS, Recorder
-from .errors import ConfigurationError
-from .keys import key_hash
-from .options import JobOptions
-from .state import EXTENSION_NAME, RequestState
 
 try:
     from opentelemetry import context, metrics, trace

@@ -1,6 +1,6 @@
 """What each transition counts, for every metrics backend (Prometheus and OpenTelemetry).
 
-Both backends receive the signals of :mod:`flask_idem.signals` through :func:`subscribe` and
+Both backends receive the signals of :mod:`flask_idem.core.signals` through :func:`subscribe` and
 turn them into the same measurements through :class:`Recorder`, so the outcome names, the
 labels and what counts once are defined here once; a backend only says how to add to its
 instruments.
@@ -14,8 +14,8 @@ import typing as t
 from blinker import NamedSignal
 from flask import Flask
 
-from . import signals
-from .events import event_name
+from ..core import signals
+from ..events import event_name
 
 #: Seconds; claims take milliseconds, views up to the lease.
 CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)

@@ -11,7 +11,7 @@ Who may see it is the application's decision: ``Idempotency(operator=...)`` or
 that returns None or False (403), a tenant (a string) or a collection of tenants (strings; an
 empty one is 403), or True for every tenant. Anything else (a number, bytes, a mapping, a
 user object, a collection holding something other than strings) is the callable's bug, not a
-decision: it is logged as a :class:`~flask_idem.errors.ConfigurationError` and answered 500
+decision: it is logged as a :class:`~flask_idem.core.errors.ConfigurationError` and answered 500
 ``internal-error``, never guessed at. Without a callable the page does not exist (404).
 Records of other tenants are never read: the tenants go into the queries. Stored bodies
 appear only with ``IDEMPOTENCY_INSPECT_BODIES``. Server-rendered (Jinja), no JavaScript; the
@@ -28,11 +28,11 @@ from flask import Blueprint, render_template, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import Forbidden, NotFound
 
-from .errors import ConfigurationError, StoreUnavailable
-from .keys import InvalidKey, key_hash, normalize
-from .problem import InternalError
-from .serialization import record_schema
-from .state import AppState
+from ..core.errors import ConfigurationError, StoreUnavailable
+from ..core.idempotency_keys import InvalidKey, key_hash, normalize
+from ..core.problem import InternalError
+from ..core.serialization import record_schema
+from ..state import AppState
 
 if t.TYPE_CHECKING:
     from .extension import Idempotency

@@ -6,7 +6,7 @@ flask_idem is meant to run) or ``error`` (protected requests fail, or will):
 * **database**: reachable, and a version flask_idem supports;
 * **schema**: the revision flask_idem's tables are at against this package's head, read from
   ``flask_idem_alembic_version`` (standalone migrations) or from the application's
-  Flask-Migrate history (:func:`flask_idem.migrate.include_in`), merged or not;
+  Flask-Migrate history (:func:`flask_idem.ops.migrate.include_in`), merged or not;
 * **partitions** (PostgreSQL): a partition for the records claimed now (else they land in
   DEFAULT), and ``IDEMPOTENCY_PARTITIONS_AHEAD`` more after it;
 * **session settings** (PostgreSQL) of a store connection, as flask_idem relies on them:
@@ -26,12 +26,12 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 
-from .errors import UPGRADE_HINT, StoreUnavailable
+from ..core.errors import UPGRADE_HINT, StoreUnavailable
+from ..store import PostgresStore, Store
+from ..store.pooler import SENT, STARTUP_MARKER
+from ..store.sql import translate_errors
+from ..store.table import VERSION_TABLE
 from .migrate import alembic_config
-from .store import PostgresStore, Store
-from .store.pooler import SENT, STARTUP_MARKER
-from .store.sql import translate_errors
-from .table import VERSION_TABLE
 
 #: The oldest PostgreSQL the migrations and claims run on.
 POSTGRESQL_MINIMUM = (13,)

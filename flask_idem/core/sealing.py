@@ -217,7 +217,7 @@ class Sealer:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Sealer:
-        """The sealer an application's :class:`~flask_idem.config.Settings` ask for."""
+        """The sealer an application's :class:`~flask_idem.core.config.Settings` ask for."""
         return cls(settings.encryption_keys, settings.compress_min, settings.require_encrypted)
 
     @property
@@ -390,7 +390,7 @@ def unreadable_problem(record: Record) -> Problem:
     happened): the key stays taken, and a retry gets the same answer until an operator puts
     the missing key back.
     """
-    from .keys import key_hash
+    from .idempotency_keys import key_hash
     from .problem import StoredResponseUnreadable
 
     log.error(

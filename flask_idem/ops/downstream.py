@@ -30,10 +30,10 @@ import typing as t
 
 from flask import current_app
 
-from .keys import derive_key
+from ..core.idempotency_keys import derive_key
+from ..core.record import Record, State
+from ..state import AppState
 from .reconcile import resolve_targets
-from .record import Record, State
-from .state import AppState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 signals, and gauges read from the table when scraped.
 
 ``IDEMPOTENCY_METRICS = True`` (or ``Idempotency(metrics=Metrics(registry=...))``) subscribes
-:class:`Metrics` to the signals of :mod:`flask_idem.signals`; nothing in the request flow knows
+:class:`Metrics` to the signals of :mod:`flask_idem.core.signals`; nothing in the request flow knows
 about Prometheus. Labels are the endpoint as records spell it (``POST /v1/payments``), the
 outcome and the status; never the key. ``IDEMPOTENCY_METRICS_TENANT_LABEL = True`` adds a
 ``tenant`` label to the counters (one series per tenant: only for a handful of tenants).
@@ -44,12 +44,12 @@ import typing as t
 
 from flask import Flask, Response, current_app
 
+from ..core.config import Settings
+from ..core.errors import ConfigurationError, StoreUnavailable
+from ..state import AppState
+from ..store import Store
 from . import counting
-from .config import Settings
 from .counting import CLAIM_BUCKETS, DESCRIPTIONS, VIEW_BUCKETS, Recorder
-from .errors import ConfigurationError, StoreUnavailable
-from .state import AppState
-from .store import Store
 
 try:
     import prometheus_client as prometheus

@@ -36,10 +36,10 @@ from alembic.util import CommandError
 from flask import current_app, has_app_context
 from flask.cli import AppGroup
 
-from .sessions import EXTENSION_KEY as FLASK_SQLALCHEMY
-from .state import EXTENSION_NAME, AppState
-from .store import normalize_url
-from .table import TABLE_NAME, VERSION_TABLE, metadata
+from ..sessions import EXTENSION_KEY as FLASK_SQLALCHEMY
+from ..state import EXTENSION_NAME, AppState
+from ..store import normalize_url
+from ..store.table import TABLE_NAME, VERSION_TABLE, metadata
 
 if t.TYPE_CHECKING:
     from alembic.operations.ops import MigrationScript
@@ -279,7 +279,7 @@ def include_in(migrate: Migrate) -> Migrate:
 
         db = SQLAlchemy(app)
         migrate = Migrate(app, db)
-        flask_idem.migrate.include_in(migrate)
+        flask_idem.ops.migrate.include_in(migrate)
 
     Then ``flask db upgrade heads`` (``heads``: the application's branch and the
     ``flask_idem`` branch; a plain ``flask db upgrade`` refuses two heads until they are
@@ -321,7 +321,7 @@ def include_in(migrate: Migrate) -> Migrate:
 db_group = AppGroup(
     "db",
     help="flask_idem's own migrations, for applications without Flask-Migrate (with it, use "
-    "flask_idem.migrate.include_in and `flask db upgrade heads`).",
+    "flask_idem.ops.migrate.include_in and `flask db upgrade heads`).",
 )
 
 

@@ -21,25 +21,27 @@ import click
 from flask import current_app
 from flask.cli import AppGroup
 
-from . import check, citus, signals, trail
-from .audit import AuditReport, Discrepancy, DownstreamRecord, Finding, audit
-from .errors import IdempotencyError
-from .events import emit
-from .keys import InvalidKey, key_hash, normalize
+from ..core import signals
+from ..core.errors import IdempotencyError
+from ..core.idempotency_keys import InvalidKey, key_hash, normalize
+from ..core.record import KeyUsage, MaintenanceReport, Record, Scope, State
+from ..core.sealing import KEY_ID_PATTERN, KEY_ID_SIZE, generate_key
+from ..core.serialization import record_schema
+from ..events import emit
+from ..state import AppState
+from ..store import citus, trail
+from ..store.messages import database_message
+from ..store.trail import AuditEntry
+from . import check
+from .downstream import AuditReport, Discrepancy, DownstreamRecord, Finding, audit
 from .migrate import db_group
 from .reconcile import Action, Settlement, reconcile
-from .record import KeyUsage, MaintenanceReport, Record, Scope, State
-from .sealing import KEY_ID_PATTERN, KEY_ID_SIZE, generate_key
-from .serialization import record_schema
-from .state import AppState
-from .store.messages import database_message
-from .trail import AuditEntry
 
 P = t.ParamSpec("P")
 
 #: Reconciliations of more records than this show a progress bar (on stderr).
 PROGRESS_AFTER = 20
-#: A key hash as logs, signals and these commands print it (:func:`flask_idem.keys.key_hash`).
+#: A key hash as logs, signals and these commands print it (``idempotency_keys.key_hash``).
 KEY_HASH = re.compile(r"[0-9a-f]{16}")
 
 idem_group = AppGroup(

@@ -24,8 +24,8 @@ import typing as t
 
 import sqlalchemy as sa
 
-from .errors import IdempotencyError
-from .store.messages import database_message
+from ..core.errors import IdempotencyError
+from .messages import database_message
 
 TABLE = "idempotency_keys"
 DISTRIBUTION_COLUMN = "tenant"

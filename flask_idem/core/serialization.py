@@ -13,7 +13,7 @@ import typing as t
 
 from marshmallow import Schema, fields
 
-from .keys import key_hash
+from .idempotency_keys import key_hash
 from .record import Record, State
 
 #: Fields that reveal the stored response beyond its status.

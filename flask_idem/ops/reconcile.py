@@ -41,15 +41,16 @@ import typing as t
 from flask import Flask, current_app
 from flask.typing import ResponseReturnValue
 
-from . import signals, trail
-from .errors import ConfigurationError
-from .events import emit
-from .flow import response_snapshot
-from .jobs import JOB_ATTRIBUTE
-from .keys import key_hash
-from .record import STORABLE_STATUSES, Record, State, StoredResponse
-from .state import AppState
-from .store.messages import redacted
+from ..core import signals
+from ..core.errors import ConfigurationError
+from ..core.idempotency_keys import key_hash
+from ..core.record import STORABLE_STATUSES, Record, State, StoredResponse
+from ..core.snapshot import response_snapshot
+from ..events import emit
+from ..jobs import JOB_ATTRIBUTE
+from ..state import AppState
+from ..store import trail
+from ..store.messages import redacted
 
 log = logging.getLogger("flask_idem")
 

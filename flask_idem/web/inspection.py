@@ -35,10 +35,10 @@ from flask import Blueprint, current_app, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException
 
-from .body import read_body
-from .errors import StoreUnavailable
-from .keys import InvalidKey, normalize, read_key
-from .problem import (
+from ..core.body import read_body
+from ..core.errors import StoreUnavailable
+from ..core.idempotency_keys import InvalidKey, normalize, read_key
+from ..core.problem import (
     AuthenticationRequired,
     KeyInvalid,
     KeyMissing,
@@ -46,8 +46,8 @@ from .problem import (
     ParameterInvalid,
     StoreUnavailableProblem,
 )
-from .serialization import request_schema
-from .state import AppState
+from ..core.serialization import request_schema
+from ..state import AppState
 
 if t.TYPE_CHECKING:
     from .extension import Idempotency
@@ -94,7 +94,7 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
         schema = request_schema(bodies=state.settings.inspect_bodies, many=True)
         return {"requests": schema.dump(records)}, 200, [_NO_STORE]
 
-    from . import operator
+    from . import operator_page as operator
 
     operator.register(blueprint, extension)
     return blueprint

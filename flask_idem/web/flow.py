@@ -86,8 +86,7 @@ from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
 
-from . import signals
-from .attempt import (
+from ..attempt import (
     CommitUncertain,
     Found,
     classify,
@@ -101,14 +100,15 @@ from .attempt import (
     store_result,
     take_over,
 )
-from .body import read_body
-from .commits import count_commits_from_now
-from .config import Settings
-from .errors import GuardNotFound, StoreUnavailable
-from .fingerprint import fingerprint as canonical_fingerprint
-from .keys import InvalidKey, check_key, echo_of_invalid, key_hash, read_key
-from .options import ViewOptions
-from .problem import (
+from ..commits import count_commits_from_now
+from ..core import signals
+from ..core.body import read_body
+from ..core.config import Settings
+from ..core.errors import GuardNotFound, StoreUnavailable
+from ..core.fingerprint import fingerprint as canonical_fingerprint
+from ..core.idempotency_keys import InvalidKey, check_key, echo_of_invalid, key_hash, read_key
+from ..core.options import ViewOptions
+from ..core.problem import (
     InternalError,
     KeyInvalid,
     KeyMissing,
@@ -120,13 +120,14 @@ from .problem import (
     StoreUnavailableProblem,
     TenantUnresolved,
 )
-from .record import STORABLE_STATUSES, ClaimResult, Record, Scope, StoredResponse
-from .sealing import unreadable_problem
-from .sessions import has_unmanaged_writes
-from .state import AppState, RequestState
-from .store.guards import OneDeadline
-from .store.messages import redacted
-from .store.sql import translate_errors
+from ..core.record import STORABLE_STATUSES, ClaimResult, Record, Scope, StoredResponse
+from ..core.sealing import unreadable_problem
+from ..core.snapshot import response_snapshot
+from ..sessions import has_unmanaged_writes
+from ..state import AppState, RequestState
+from ..store.engines import OneDeadline
+from ..store.messages import redacted
+from ..store.sql import translate_errors
 
 P = t.ParamSpec("P")
 R = t.TypeVar("R")
@@ -173,7 +174,7 @@ def find_guard(view: t.Any, method: str) -> t.Any:
     ``__dict__`` or ``__slots__``), the lists, tuples, sets and dicts any of these hold, and
     class-based views (``MethodView``: the method's function). The search is bounded and
     cannot see everything (a module-level registry, say): a guard it misses refuses to run
-    under the outer guard's claim (:class:`~flask_idem.errors.GuardNotFound`), because the
+    under the outer guard's claim (:class:`~flask_idem.core.errors.GuardNotFound`), because the
     decorators above it would come too late to refuse a replay.
     """
     pending: list[t.Any] = [view]
@@ -426,7 +427,7 @@ def _claim_atomic(
 
 def _claim_failed(scope: Scope, error: StoreUnavailable) -> StoreUnavailableProblem:
     """The 503 of a claim the store failed: fail closed, saying how to migrate when the schema
-    is missing (:class:`~flask_idem.errors.SchemaMissing`)."""
+    is missing (:class:`~flask_idem.core.errors.SchemaMissing`)."""
     emit(signals.store_unavailable, scope, stage="claim")
     return StoreUnavailableProblem(
         error.detail or "The idempotency store cannot be reached; the request was not executed."
@@ -692,34 +693,6 @@ def _unrecorded(app_state: AppState, state: RequestState, reason: str) -> Respon
         "work was not recorded. " + _crash_outcome(state)
     )
     return _problem_response(app_state, state, problem)
-
-
-def response_snapshot(settings: Settings, response: Response) -> StoredResponse | None:
-    """The replayable part of a response, or None when it cannot be stored.
-
-    A streamed body is buffered when it declares a length within the limit: an
-    ``HTTPException`` raised in a view (``abort(404)``, a :class:`Problem`) reaches us as such
-    a response. A stream of unknown length, or a file passed through, is never buffered.
-    """
-    if response.direct_passthrough:
-        return None
-    if response.is_streamed:
-        length = response.content_length
-        if length is None or length > settings.max_body:
-            return None
-    body = response.get_data()
-    if len(body) > settings.max_body:
-        return None
-    stored = settings.stored_headers
-    headers = []
-    for name, value in response.headers.to_wsgi_list():
-        if name.lower() in stored:
-            if "\x00" in value:
-                # No database stores a NUL in JSON text (PostgreSQL's jsonb refuses it, and
-                # would log the header in its error context): the answer is marked unstored.
-                return None
-            headers.append((name, value))
-    return StoredResponse(response.status_code, tuple(headers), body)
 
 
 def _complete(app_state: AppState, state: RequestState, response: Response) -> Response:

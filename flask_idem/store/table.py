@@ -34,7 +34,7 @@ class _StoredTimestamp(sa.TypeDecorator[t.Any]):
 
     SQLite keeps whatever a statement wrote into a timestamp column (PostgreSQL's timestamptz
     accepts only timestamps): one altered row must reach the record builder, which marks it
-    damaged (see :attr:`flask_idem.record.Record.damaged`), instead of failing the fetch of
+    damaged (see :attr:`flask_idem.core.record.Record.damaged`), instead of failing the fetch of
     every row read with it (``flask idem reconcile``, the operator page).
     """
 
@@ -118,7 +118,7 @@ AUDIT_DEFAULT_PARTITION = f"{AUDIT_TABLE_NAME}_default"
 #: transition of a record, written in the same statement or transaction as the transition.
 #: Never updated; rows are deleted only by retention (``IDEMPOTENCY_AUDIT_RETENTION``): on
 #: PostgreSQL monthly partitions on ``occurred_at`` are dropped whole. The key itself is not
-#: stored: ``lookup`` (SHA-256 of tenant and key, see :func:`flask_idem.trail.lookup_digest`)
+#: stored: ``lookup`` (SHA-256 of tenant and key, see :func:`flask_idem.store.trail.lookup_digest`)
 #: finds a key's timeline for whoever knows the key, and ``key_hash`` matches logs and the CLI.
 idempotency_audit = sa.Table(
     AUDIT_TABLE_NAME,

@@ -1,0 +1,1 @@
+"""Operations: reconciliation, the downstream check, ``flask idem``, metrics and tracing."""
