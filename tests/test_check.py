@@ -13,6 +13,7 @@ from click.testing import Result
 from flask_idem import Idempotency, create_store
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import PostgresStore, SQLStore, normalize_url
+from flask_idem.store.expected_functions import EXPECTED_FUNCTIONS
 
 from .test_migrations import HEAD
 
@@ -56,11 +57,13 @@ def test_a_migrated_database_passes_every_check(migrated_store: SQLStore) -> Non
     lines = _lines(result)
     expected = ["database", "schema"]
     if migrated_store.dialect == "postgresql":
-        expected += [*SESSION_CHECKS, "partitions"]
+        expected += ["functions", *SESSION_CHECKS, "partitions"]
     assert list(lines) == expected
     assert {status for status, _ in lines.values()} == {"ok"}, result.stdout
     assert lines["schema"][1] == f"at {HEAD}, the head (flask_idem_alembic_version)"
     if migrated_store.dialect == "postgresql":
+        installed = f"all {len(EXPECTED_FUNCTIONS)} as this flask_idem's migrations install them"
+        assert lines["functions"][1] == installed
         assert lines["isolation"][1] == "read committed"
         assert lines["statement_timeout"][1] == lines["lock_timeout"][1] == "4s"
         assert lines["log_min_error_statement"][1] == "panic"
@@ -96,10 +99,36 @@ def test_a_schema_older_or_newer_than_the_package(unmigrated_store: SQLStore) ->
     )
     with unmigrated_store.engine.begin() as conn:
         conn.execute(sa.text("UPDATE flask_idem_alembic_version SET version_num = '0099'"))
+    assert "functions" not in _lines(older), "the schema finding already says to upgrade"
     newer = _check(unmigrated_store)
     assert newer.exit_code == 0, "a newer release's schema may serve this one (rolling deploy)"
     status, detail = _lines(newer)["schema"]
     assert status == "warning" and "0099, a revision this flask_idem does not know" in detail
+    assert "functions" not in _lines(newer), "a newer release's functions are its own"
+
+
+def test_functions_changed_outside_the_migrations(fresh_pg_database: t.Callable[[], str]) -> None:
+    """Guards deploys against a head schema whose claim was edited by hand: the check fails,
+    naming the function, and not one it left alone."""
+    url = fresh_pg_database()
+    upgrade(url)
+    store = create_store(url)
+    reserve = next(f.signature for f in EXPECTED_FUNCTIONS if "claim_reserve(" in f.signature)
+    try:
+        with store.engine.begin() as conn:
+            definition = conn.execute(
+                sa.text("SELECT pg_get_functiondef(to_regprocedure(:f))"), {"f": reserve}
+            ).scalar_one()
+            edited = definition.replace("'4s'", "'5s'", 1)
+            conn.exec_driver_sql(edited, execution_options={"no_parameters": True})
+        result = _check(store)
+        assert result.exit_code == 1, result.output
+        status, detail = _lines(result)["functions"]
+        assert status == "error"
+        assert detail.startswith(f"{reserve} changed: not as this flask_idem's head revision")
+        assert "idempotency_claim(" not in detail
+    finally:
+        store.engine.dispose()
 
 
 def test_partitions_for_now_and_ahead(fresh_pg_database: t.Callable[[], str]) -> None:

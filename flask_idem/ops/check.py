@@ -7,6 +7,9 @@ flask_idem is meant to run) or ``error`` (protected requests fail, or will):
 * **schema**: the revision flask_idem's tables are at against this package's head, read from
   ``flask_idem_alembic_version`` (standalone migrations) or from the application's
   Flask-Migrate history (:func:`flask_idem.ops.migrate.include_in`), merged or not;
+* **functions** (PostgreSQL, at the head): the SQL functions the migrations installed are the
+  ones this flask_idem expects (:mod:`flask_idem.store.expected_functions`), not edited by hand
+  or installed by another build;
 * **partitions** (PostgreSQL): a partition for the records claimed now (else they land in
   DEFAULT), and ``IDEMPOTENCY_PARTITIONS_AHEAD`` more after it;
 * **session settings** (PostgreSQL) of a store connection, as flask_idem relies on them:
@@ -28,6 +31,7 @@ from alembic.util import CommandError
 
 from ..core.errors import UPGRADE_HINT, StoreUnavailable
 from ..store import PostgresStore, Store
+from ..store.expected_functions import EXPECTED_FUNCTIONS, drift
 from ..store.pooler import SENT, STARTUP_MARKER
 from ..store.sql import translate_errors
 from ..store.table import VERSION_TABLE
@@ -81,6 +85,10 @@ def run(store: Store, *, partitions_ahead: int, migrate: t.Any = None) -> list[F
             schema, revision = _schema(connection, migrate)
             findings.append(schema)
             if store.engine.dialect.name == "postgresql":
+                # Judged at the head only: below it the schema finding already says to upgrade,
+                # and above it the functions are a newer release's, not this one's to judge.
+                if schema.status is Status.OK:
+                    findings.append(_functions(connection))
                 findings += _session(connection)
     except StoreUnavailable as exc:
         return [Finding("database", Status.ERROR, str(exc))]
@@ -150,6 +158,21 @@ def _heads(connection: sa.Connection, version_table: str) -> tuple[str, ...]:
     """The revisions recorded in ``version_table`` (none when it does not exist)."""
     context = MigrationContext.configure(connection, opts={"version_table": version_table})
     return context.get_current_heads()
+
+
+def _functions(connection: sa.Connection) -> Finding:
+    wrong = drift(connection)
+    if not wrong:
+        detail = f"all {len(EXPECTED_FUNCTIONS)} as this flask_idem's migrations install them"
+        return Finding("functions", Status.OK, detail)
+    listed = ", ".join(f"{function.signature} {how}" for function, how in wrong.items())
+    detail = (
+        f"{listed}: not as this flask_idem's head revision installs them (edited by hand, or "
+        "installed by another build of flask_idem), so claims may not behave as this release "
+        "relies on; install them again from the revision that creates them "
+        "(flask_idem/migrations/versions)"
+    )
+    return Finding("functions", Status.ERROR, detail)
 
 
 def _partitions(store: PostgresStore, wanted: int) -> Finding:

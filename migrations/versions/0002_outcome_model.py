@@ -10,6 +10,9 @@ stores' own statements.
 ``reopened`` is what an operator's release of a possibly-executed operation leaves: the next
 retry runs it again as the same operation (same row, so the same downstream keys).
 
+The texts below are the whole functions; the downgrade restores revision 0001's texts, copied.
+The partition unit (``{unit}``) was fixed by 0001; it is read back from the installed function.
+
 Revision ID: 0002
 Revises: 0001
 Create Date: 2026-12-01
@@ -17,10 +20,7 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import re
-import types
 
 import sqlalchemy as sa
 from alembic import op
@@ -35,41 +35,215 @@ CHECK = "ck_idempotency_keys_state"
 OLD_STATES = ("in_progress", "completed", "unknown", "unstored")
 NEW_STATES = (*OLD_STATES, "reopened")
 
-# Revision 0001's liveness tests, as its functions spell them, and their replacements.
-OLD_CLAIM_LIVE = (
-    "(k.expires_at > v_now\n"
-    "                OR (k.state = 'in_progress' AND k.lease_expires_at > v_now))"
-)
-NEW_CLAIM_LIVE = (
-    "(k.expires_at > v_now\n"
-    "                OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)\n"
-    "                   + (k.expires_at - k.created_at) > v_now)"
-)
-OLD_DROP_LIVE = (
-    "'SELECT EXISTS (SELECT 1 FROM %I WHERE expires_at > now() '\n"
-    "        'OR (state = ''in_progress'' AND lease_expires_at > now()))'"
-)
-NEW_DROP_LIVE = (
-    "'SELECT EXISTS (SELECT 1 FROM %I WHERE expires_at > now() '\n"
-    "        'OR coalesce(completed_at, lease_expires_at, created_at) '\n"
-    "        '+ (expires_at - created_at) > now())'"
-)
+#: The claim from this revision on: live for its TTL from its claim or from its request's end.
+CLAIM_FUNCTION = r"""
+CREATE OR REPLACE FUNCTION idempotency_claim(
+    p_tenant text, p_endpoint text, p_key text, p_fingerprint bytea, p_token text,
+    p_ttl double precision, p_lease double precision
+) RETURNS TABLE (
+    claimed boolean, fingerprint bytea, state text, claim_token text,
+    lease_expires_at timestamptz, response_status integer, response_headers jsonb,
+    response_body bytea, created_at timestamptz, completed_at timestamptz,
+    expires_at timestamptz, db_now timestamptz
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+BEGIN
+    -- Every claim of one scope queues here, whichever partition holds its record.
+    PERFORM pg_advisory_xact_lock(
+        hashtext('flask_idem'),
+        hashtext(p_tenant || E'\x1f' || p_endpoint || E'\x1f' || p_key));
+    -- Read the clock after the lock: a waiter never dates its row before the winner's.
+    v_now := clock_timestamp();
+    -- A record is live until its TTL ends, and, while in progress, as long as its owner holds
+    -- the lease: a request still running past the TTL must never let a retry run again.
+    RETURN QUERY
+        SELECT false, k.fingerprint, k.state::text, k.claim_token::text, k.lease_expires_at,
+               k.response_status, k.response_headers, k.response_body, k.created_at,
+               k.completed_at, k.expires_at, v_now
+          FROM idempotency_keys AS k
+         WHERE k.tenant = p_tenant AND k.endpoint = p_endpoint AND k.key = p_key
+           AND (k.expires_at > v_now
+                OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)
+                   + (k.expires_at - k.created_at) > v_now)
+         ORDER BY k.created_at DESC
+         LIMIT 1;
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+        WITH inserted AS (
+            INSERT INTO idempotency_keys (
+                tenant, endpoint, key, fingerprint, state, claim_token,
+                lease_expires_at, created_at, expires_at)
+            VALUES (
+                p_tenant, p_endpoint, p_key, p_fingerprint, 'in_progress', p_token,
+                v_now + make_interval(secs => p_lease), v_now,
+                v_now + make_interval(secs => p_ttl))
+            RETURNING *)
+        SELECT true, i.fingerprint, i.state::text, i.claim_token::text, i.lease_expires_at,
+               i.response_status, i.response_headers, i.response_body, i.created_at,
+               i.completed_at, i.expires_at, v_now
+          FROM inserted AS i;
+END
+$$;
+"""
 
+#: The partition drop from this revision on, with the same liveness as the claim.
+DROP_PARTITIONS_FUNCTION = r"""
+CREATE OR REPLACE FUNCTION idempotency_drop_expired_partitions(p_dry_run boolean DEFAULT false)
+RETURNS SETOF text LANGUAGE plpgsql AS $$
+DECLARE
+    v_step constant interval := interval '1 {unit}';
+    v_name text;
+    v_day text;
+    v_hi timestamptz;
+    v_live boolean;
+    -- Live as in idempotency_claim(): before expiry, or in progress under a held lease.
+    v_live_query constant text := 'SELECT EXISTS (SELECT 1 FROM %I WHERE expires_at > now() '
+        'OR coalesce(completed_at, lease_expires_at, created_at) '
+        '+ (expires_at - created_at) > now())';
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('flask_idem'), 0);
+    FOR v_name IN
+        SELECT c.relname::text FROM pg_inherits AS inh JOIN pg_class AS c ON c.oid = inh.inhrelid
+         WHERE inh.inhparent = 'idempotency_keys'::regclass
+         ORDER BY c.relname
+    LOOP
+        v_day := substring(v_name FROM '^idempotency_keys_p(\d{8})$');
+        CONTINUE WHEN v_day IS NULL;
+        v_hi := (to_date(v_day, 'YYYYMMDD')::timestamp + v_step) AT TIME ZONE 'UTC';
+        -- The current and future partitions still receive claims.
+        CONTINUE WHEN v_hi > now();
+        EXECUTE format(v_live_query, v_name) INTO v_live;
+        CONTINUE WHEN v_live;
+        IF NOT p_dry_run THEN
+            -- Lock the parent (which locks every partition, parent first, in the order claims
+            -- take their locks, so no deadlock), then check again: nothing can move a live
+            -- row in (an UPDATE of created_at) between this check and the drop. Claims queue
+            -- behind this lock, so the caller keeps lock_timeout short; when the table stays
+            -- busy the partition is left for the next run.
+            BEGIN
+                LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE;
+            EXCEPTION WHEN lock_not_available THEN
+                CONTINUE;
+            END;
+            EXECUTE format(v_live_query, v_name) INTO v_live;
+            CONTINUE WHEN v_live;
+        END IF;
+        IF NOT p_dry_run THEN
+            EXECUTE format('DROP TABLE %I', v_name);
+        END IF;
+        RETURN NEXT v_name;
+    END LOOP;
+END
+$$;
+"""
 
-def _first_revision() -> types.ModuleType:
-    """Revision 0001, for the SQL functions this revision rewrites (one source, no copy)."""
-    path = pathlib.Path(__file__).with_name("0001_idempotency_keys.py")
-    spec = importlib.util.spec_from_file_location("flask_idem_revision_0001", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+#: Revision 0001's claim, restored by the downgrade.
+CLAIM_FUNCTION_0001 = r"""
+CREATE OR REPLACE FUNCTION idempotency_claim(
+    p_tenant text, p_endpoint text, p_key text, p_fingerprint bytea, p_token text,
+    p_ttl double precision, p_lease double precision
+) RETURNS TABLE (
+    claimed boolean, fingerprint bytea, state text, claim_token text,
+    lease_expires_at timestamptz, response_status integer, response_headers jsonb,
+    response_body bytea, created_at timestamptz, completed_at timestamptz,
+    expires_at timestamptz, db_now timestamptz
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+BEGIN
+    -- Every claim of one scope queues here, whichever partition holds its record.
+    PERFORM pg_advisory_xact_lock(
+        hashtext('flask_idem'),
+        hashtext(p_tenant || E'\x1f' || p_endpoint || E'\x1f' || p_key));
+    -- Read the clock after the lock: a waiter never dates its row before the winner's.
+    v_now := clock_timestamp();
+    -- A record is live until its TTL ends, and, while in progress, as long as its owner holds
+    -- the lease: a request still running past the TTL must never let a retry run again.
+    RETURN QUERY
+        SELECT false, k.fingerprint, k.state::text, k.claim_token::text, k.lease_expires_at,
+               k.response_status, k.response_headers, k.response_body, k.created_at,
+               k.completed_at, k.expires_at, v_now
+          FROM idempotency_keys AS k
+         WHERE k.tenant = p_tenant AND k.endpoint = p_endpoint AND k.key = p_key
+           AND (k.expires_at > v_now
+                OR (k.state = 'in_progress' AND k.lease_expires_at > v_now))
+         ORDER BY k.created_at DESC
+         LIMIT 1;
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+        WITH inserted AS (
+            INSERT INTO idempotency_keys (
+                tenant, endpoint, key, fingerprint, state, claim_token,
+                lease_expires_at, created_at, expires_at)
+            VALUES (
+                p_tenant, p_endpoint, p_key, p_fingerprint, 'in_progress', p_token,
+                v_now + make_interval(secs => p_lease), v_now,
+                v_now + make_interval(secs => p_ttl))
+            RETURNING *)
+        SELECT true, i.fingerprint, i.state::text, i.claim_token::text, i.lease_expires_at,
+               i.response_status, i.response_headers, i.response_body, i.created_at,
+               i.completed_at, i.expires_at, v_now
+          FROM inserted AS i;
+END
+$$;
+"""
 
-
-def _replace(source: str, old: str, new: str) -> str:
-    if old not in source:
-        raise RuntimeError("revision 0001's SQL function is not the one this revision expects")
-    return source.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1).replace(old, new)
+#: Revision 0001's partition drop, restored by the downgrade.
+DROP_PARTITIONS_FUNCTION_0001 = r"""
+CREATE OR REPLACE FUNCTION idempotency_drop_expired_partitions(p_dry_run boolean DEFAULT false)
+RETURNS SETOF text LANGUAGE plpgsql AS $$
+DECLARE
+    v_step constant interval := interval '1 {unit}';
+    v_name text;
+    v_day text;
+    v_hi timestamptz;
+    v_live boolean;
+    -- Live as in idempotency_claim(): before expiry, or in progress under a held lease.
+    v_live_query constant text := 'SELECT EXISTS (SELECT 1 FROM %I WHERE expires_at > now() '
+        'OR (state = ''in_progress'' AND lease_expires_at > now()))';
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('flask_idem'), 0);
+    FOR v_name IN
+        SELECT c.relname::text FROM pg_inherits AS inh JOIN pg_class AS c ON c.oid = inh.inhrelid
+         WHERE inh.inhparent = 'idempotency_keys'::regclass
+         ORDER BY c.relname
+    LOOP
+        v_day := substring(v_name FROM '^idempotency_keys_p(\d{8})$');
+        CONTINUE WHEN v_day IS NULL;
+        v_hi := (to_date(v_day, 'YYYYMMDD')::timestamp + v_step) AT TIME ZONE 'UTC';
+        -- The current and future partitions still receive claims.
+        CONTINUE WHEN v_hi > now();
+        EXECUTE format(v_live_query, v_name) INTO v_live;
+        CONTINUE WHEN v_live;
+        IF NOT p_dry_run THEN
+            -- Lock the parent (which locks every partition, parent first, in the order claims
+            -- take their locks, so no deadlock), then check again: nothing can move a live
+            -- row in (an UPDATE of created_at) between this check and the drop. Claims queue
+            -- behind this lock, so the caller keeps lock_timeout short; when the table stays
+            -- busy the partition is left for the next run.
+            BEGIN
+                LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE;
+            EXCEPTION WHEN lock_not_available THEN
+                CONTINUE;
+            END;
+            EXECUTE format(v_live_query, v_name) INTO v_live;
+            CONTINUE WHEN v_live;
+        END IF;
+        IF NOT p_dry_run THEN
+            EXECUTE format('DROP TABLE %I', v_name);
+        END IF;
+        RETURN NEXT v_name;
+    END LOOP;
+END
+$$;
+"""
 
 
 def _granularity() -> str:
@@ -84,11 +258,9 @@ def _granularity() -> str:
     return found.group(1)
 
 
-def _functions(claim_live: tuple[str, str], drop_live: tuple[str, str]) -> None:
-    first = _first_revision()
-    op.execute(_replace(first.CLAIM_FUNCTION, *claim_live))
-    drop = first.DROP_PARTITIONS_FUNCTION.replace("{unit}", _granularity())
-    op.execute(_replace(drop, *drop_live))
+def _functions(claim: str, drop: str) -> None:
+    op.execute(claim)
+    op.execute(drop.replace("{unit}", _granularity()))
 
 
 def _check(states: tuple[str, ...]) -> str:
@@ -121,7 +293,7 @@ def _set_states(states: tuple[str, ...]) -> None:
 def upgrade() -> None:
     _set_states(NEW_STATES)
     if op.get_bind().dialect.name == "postgresql":
-        _functions((OLD_CLAIM_LIVE, NEW_CLAIM_LIVE), (OLD_DROP_LIVE, NEW_DROP_LIVE))
+        _functions(CLAIM_FUNCTION, DROP_PARTITIONS_FUNCTION)
 
 
 def downgrade() -> None:
@@ -129,4 +301,4 @@ def downgrade() -> None:
     op.execute(f"UPDATE {TABLE} SET state = 'unknown' WHERE state = 'reopened'")
     _set_states(OLD_STATES)
     if op.get_bind().dialect.name == "postgresql":
-        _functions((OLD_CLAIM_LIVE, OLD_CLAIM_LIVE), (OLD_DROP_LIVE, OLD_DROP_LIVE))
+        _functions(CLAIM_FUNCTION_0001, DROP_PARTITIONS_FUNCTION_0001)

@@ -13,6 +13,7 @@ row, and only ranges with no such rows get one (future days, normally). A partit
 cannot be attached at once (its lock is busy, or a claim just put a row of its range into
 DEFAULT) is left for the next run.
 
+The text below is the whole function; the downgrade restores revision 0001's, copied.
 The granularity (``{unit}``) was fixed by 0001; it is read back from the installed function.
 
 Revision ID: 0003
@@ -25,7 +26,7 @@ from __future__ import annotations
 import re
 
 import sqlalchemy as sa
-from alembic import context, op
+from alembic import op
 
 revision = "0003"
 down_revision = "0002"
@@ -35,6 +36,7 @@ depends_on = None
 INDEX = "ix_idempotency_keys_tenant_key"
 SIGNATURE = "idempotency_create_partitions(integer, boolean, integer)"
 
+#: The partition upkeep from this revision on: it never moves rows out of DEFAULT.
 CREATE_PARTITIONS_FUNCTION = r"""
 CREATE OR REPLACE FUNCTION idempotency_create_partitions(
     p_ahead integer, p_dry_run boolean DEFAULT false, p_behind integer DEFAULT 0
@@ -80,6 +82,48 @@ END
 $$;
 """
 
+#: Revision 0001's partition upkeep (it moved rows), restored by the downgrade.
+CREATE_PARTITIONS_FUNCTION_0001 = r"""
+CREATE OR REPLACE FUNCTION idempotency_create_partitions(
+    p_ahead integer, p_dry_run boolean DEFAULT false, p_behind integer DEFAULT 0
+) RETURNS SETOF text LANGUAGE plpgsql AS $$
+DECLARE
+    v_step constant interval := interval '1 {unit}';
+    v_first timestamp := date_trunc('{unit}', now() AT TIME ZONE 'UTC');
+    v_lo timestamp;
+    v_hi timestamp;
+    v_name text;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('flask_idem'), 0);
+    FOR n IN -p_behind..p_ahead LOOP
+        v_lo := v_first + n * v_step;
+        v_hi := v_lo + v_step;
+        v_name := 'idempotency_keys_p' || to_char(v_lo, 'YYYYMMDD');
+        CONTINUE WHEN EXISTS (
+            SELECT 1 FROM pg_inherits AS inh JOIN pg_class AS c ON c.oid = inh.inhrelid
+             WHERE inh.inhparent = 'idempotency_keys'::regclass AND c.relname = v_name);
+        IF NOT p_dry_run THEN
+            -- Rows that fell into DEFAULT while this partition was missing move into it,
+            -- otherwise PostgreSQL refuses to attach it.
+            LOCK TABLE idempotency_keys_default IN ACCESS EXCLUSIVE MODE;
+            EXECUTE format(
+                'CREATE TABLE %I (LIKE idempotency_keys INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+                v_name);
+            EXECUTE format(
+                'WITH moved AS (DELETE FROM idempotency_keys_default'
+                ' WHERE created_at >= %L AND created_at < %L RETURNING *)'
+                ' INSERT INTO %I SELECT * FROM moved',
+                v_lo AT TIME ZONE 'UTC', v_hi AT TIME ZONE 'UTC', v_name);
+            EXECUTE format(
+                'ALTER TABLE idempotency_keys ATTACH PARTITION %I FOR VALUES FROM (%L) TO (%L)',
+                v_name, v_lo AT TIME ZONE 'UTC', v_hi AT TIME ZONE 'UTC');
+        END IF;
+        RETURN NEXT v_name;
+    END LOOP;
+END
+$$;
+"""
+
 
 def _unit() -> str:
     definition = (
@@ -101,7 +145,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        original = context.script.get_revision("0001").module.CREATE_PARTITIONS_FUNCTION
-        restored = original.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
-        op.execute(restored.replace("{unit}", _unit()))
+        op.execute(CREATE_PARTITIONS_FUNCTION_0001.replace("{unit}", _unit()))
     op.drop_index(INDEX, table_name="idempotency_keys")

@@ -28,6 +28,8 @@ Nothing is narrowed in the past: a record stays live for its TTL from its claim 
 from the end of its request, however long that request ran, so no bound on ``created_at`` from
 below holds for every record (``idempotency_drop_expired_partitions`` keeps the past short).
 
+The texts below are the whole functions; the downgrade restores revision 0004's, copied.
+
 Revision ID: 0006
 Revises: 0005
 Create Date: 2026-12-01
@@ -35,45 +37,268 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
-from alembic import context, op
+from alembic import op
 
 revision = "0006"
 down_revision = "0005"
 branch_labels = None
 depends_on = None
 
-#: The lookup's order, as revision 0001 spells it; it appears once in each claim function.
-LOOKUP_ORDER = "         ORDER BY k.created_at DESC\n"
-#: The same with the bound before it (see the module docstring for why it misses nothing).
-BOUNDED_LOOKUP_ORDER = (
-    "           -- No record of this scope was made a day or more after this clock (0006).\n"
-    "           AND k.created_at < v_now + interval '1 day'\n" + LOOKUP_ORDER
-)
+#: The claim from this revision on: its lookup bounded a day after its clock (see above for
+#: why the bound misses nothing).
+CLAIM_FUNCTION = r"""
+CREATE OR REPLACE FUNCTION idempotency_claim(
+    p_tenant text, p_endpoint text, p_key text, p_fingerprint bytea, p_token text,
+    p_ttl double precision, p_lease double precision
+) RETURNS TABLE (
+    claimed boolean, fingerprint bytea, state text, claim_token text,
+    lease_expires_at timestamptz, response_status integer, response_headers jsonb,
+    response_body bytea, created_at timestamptz, completed_at timestamptz,
+    expires_at timestamptz, db_now timestamptz
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+BEGIN
+    -- Every claim of one scope queues here, whichever partition holds its record.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'an idempotency claim needs READ COMMITTED, not %',
+            current_setting('transaction_isolation');
+    END IF;
+    PERFORM pg_advisory_xact_lock(
+        hashtext('flask_idem'),
+        hashtext(p_tenant || E'\x1f' || p_endpoint || E'\x1f' || p_key));
+    -- Read the clock after the lock: a waiter never dates its row before the winner's.
+    v_now := clock_timestamp();
+    -- A record is live until its TTL ends, and, while in progress, as long as its owner holds
+    -- the lease: a request still running past the TTL must never let a retry run again.
+    RETURN QUERY
+        SELECT false, k.fingerprint, k.state::text, k.claim_token::text, k.lease_expires_at,
+               k.response_status, k.response_headers, k.response_body, k.created_at,
+               k.completed_at, k.expires_at, v_now
+          FROM idempotency_keys AS k
+         WHERE k.tenant = p_tenant AND k.endpoint = p_endpoint AND k.key = p_key
+           AND (k.expires_at > v_now
+                OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)
+                   + (k.expires_at - k.created_at) > v_now)
+           -- No record of this scope was made a day or more after this clock (0006).
+           AND k.created_at < v_now + interval '1 day'
+         ORDER BY k.created_at DESC
+         LIMIT 1;
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+        WITH inserted AS (
+            INSERT INTO idempotency_keys (
+                tenant, endpoint, key, fingerprint, state, claim_token,
+                lease_expires_at, created_at, expires_at)
+            VALUES (
+                p_tenant, p_endpoint, p_key, p_fingerprint, 'in_progress', p_token,
+                v_now + make_interval(secs => p_lease), v_now,
+                v_now + make_interval(secs => p_ttl))
+            RETURNING *)
+        SELECT true, i.fingerprint, i.state::text, i.claim_token::text, i.lease_expires_at,
+               i.response_status, i.response_headers, i.response_body, i.created_at,
+               i.completed_at, i.expires_at, v_now
+          FROM inserted AS i;
+END
+$$;
+"""
 
+#: The atomic claim from this revision on, with the same bound.
+ATOMIC_CLAIM_FUNCTION = r"""
+CREATE OR REPLACE FUNCTION idempotency_claim_atomic(
+    p_tenant text, p_endpoint text, p_key text, p_fingerprint bytea, p_token text,
+    p_ttl double precision, p_lease double precision
+) RETURNS TABLE (
+    claimed boolean, fingerprint bytea, state text, claim_token text,
+    lease_expires_at timestamptz, response_status integer, response_headers jsonb,
+    response_body bytea, created_at timestamptz, completed_at timestamptz,
+    expires_at timestamptz, db_now timestamptz
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+BEGIN
+    -- Every claim of one scope queues here, whichever partition holds its record.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'an idempotency claim needs READ COMMITTED, not %',
+            current_setting('transaction_isolation');
+    END IF;
+    -- Held until the business transaction ends: a duplicate gets no row, never a wait.
+    IF NOT pg_try_advisory_xact_lock(
+        hashtext('flask_idem'),
+        hashtext(p_tenant || E'\x1f' || p_endpoint || E'\x1f' || p_key)) THEN
+        RETURN;
+    END IF;
+    -- Read the clock after the lock: a waiter never dates its row before the winner's.
+    v_now := clock_timestamp();
+    -- A record is live until its TTL ends, and, while in progress, as long as its owner holds
+    -- the lease: a request still running past the TTL must never let a retry run again.
+    RETURN QUERY
+        SELECT false, k.fingerprint, k.state::text, k.claim_token::text, k.lease_expires_at,
+               k.response_status, k.response_headers, k.response_body, k.created_at,
+               k.completed_at, k.expires_at, v_now
+          FROM idempotency_keys AS k
+         WHERE k.tenant = p_tenant AND k.endpoint = p_endpoint AND k.key = p_key
+           AND (k.expires_at > v_now
+                OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)
+                   + (k.expires_at - k.created_at) > v_now)
+           -- No record of this scope was made a day or more after this clock (0006).
+           AND k.created_at < v_now + interval '1 day'
+         ORDER BY k.created_at DESC
+         LIMIT 1;
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+        WITH inserted AS (
+            INSERT INTO idempotency_keys (
+                tenant, endpoint, key, fingerprint, state, claim_token,
+                lease_expires_at, created_at, expires_at)
+            VALUES (
+                p_tenant, p_endpoint, p_key, p_fingerprint, 'in_progress', p_token,
+                v_now + make_interval(secs => p_lease), v_now,
+                v_now + make_interval(secs => p_ttl))
+            RETURNING *)
+        SELECT true, i.fingerprint, i.state::text, i.claim_token::text, i.lease_expires_at,
+               i.response_status, i.response_headers, i.response_body, i.created_at,
+               i.completed_at, i.expires_at, v_now
+          FROM inserted AS i;
+END
+$$;
+"""
 
-def _replace(source: str) -> str:
-    return source.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+#: Revision 0004's claim, restored by the downgrade.
+CLAIM_FUNCTION_0004 = r"""
+CREATE OR REPLACE FUNCTION idempotency_claim(
+    p_tenant text, p_endpoint text, p_key text, p_fingerprint bytea, p_token text,
+    p_ttl double precision, p_lease double precision
+) RETURNS TABLE (
+    claimed boolean, fingerprint bytea, state text, claim_token text,
+    lease_expires_at timestamptz, response_status integer, response_headers jsonb,
+    response_body bytea, created_at timestamptz, completed_at timestamptz,
+    expires_at timestamptz, db_now timestamptz
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+BEGIN
+    -- Every claim of one scope queues here, whichever partition holds its record.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'an idempotency claim needs READ COMMITTED, not %',
+            current_setting('transaction_isolation');
+    END IF;
+    PERFORM pg_advisory_xact_lock(
+        hashtext('flask_idem'),
+        hashtext(p_tenant || E'\x1f' || p_endpoint || E'\x1f' || p_key));
+    -- Read the clock after the lock: a waiter never dates its row before the winner's.
+    v_now := clock_timestamp();
+    -- A record is live until its TTL ends, and, while in progress, as long as its owner holds
+    -- the lease: a request still running past the TTL must never let a retry run again.
+    RETURN QUERY
+        SELECT false, k.fingerprint, k.state::text, k.claim_token::text, k.lease_expires_at,
+               k.response_status, k.response_headers, k.response_body, k.created_at,
+               k.completed_at, k.expires_at, v_now
+          FROM idempotency_keys AS k
+         WHERE k.tenant = p_tenant AND k.endpoint = p_endpoint AND k.key = p_key
+           AND (k.expires_at > v_now
+                OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)
+                   + (k.expires_at - k.created_at) > v_now)
+         ORDER BY k.created_at DESC
+         LIMIT 1;
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+        WITH inserted AS (
+            INSERT INTO idempotency_keys (
+                tenant, endpoint, key, fingerprint, state, claim_token,
+                lease_expires_at, created_at, expires_at)
+            VALUES (
+                p_tenant, p_endpoint, p_key, p_fingerprint, 'in_progress', p_token,
+                v_now + make_interval(secs => p_lease), v_now,
+                v_now + make_interval(secs => p_ttl))
+            RETURNING *)
+        SELECT true, i.fingerprint, i.state::text, i.claim_token::text, i.lease_expires_at,
+               i.response_status, i.response_headers, i.response_body, i.created_at,
+               i.completed_at, i.expires_at, v_now
+          FROM inserted AS i;
+END
+$$;
+"""
 
-
-def claim_functions(*, bounded: bool) -> tuple[str, str]:
-    """Both claim functions as revision 0004 made them, with the bound when ``bounded``."""
-    atomic = context.script.get_revision("0004").module
-    functions = (atomic.checked_claim_function(), _replace(atomic.atomic_claim_function()))
-    if not bounded:
-        return functions
-    if any(function.count(LOOKUP_ORDER) != 1 for function in functions):
-        raise RuntimeError("revision 0004's claim functions are not the ones this one expects")
-    checked, atomic_claim = (f.replace(LOOKUP_ORDER, BOUNDED_LOOKUP_ORDER) for f in functions)
-    return checked, atomic_claim
+#: Revision 0004's atomic claim, restored by the downgrade.
+ATOMIC_CLAIM_FUNCTION_0004 = r"""
+CREATE OR REPLACE FUNCTION idempotency_claim_atomic(
+    p_tenant text, p_endpoint text, p_key text, p_fingerprint bytea, p_token text,
+    p_ttl double precision, p_lease double precision
+) RETURNS TABLE (
+    claimed boolean, fingerprint bytea, state text, claim_token text,
+    lease_expires_at timestamptz, response_status integer, response_headers jsonb,
+    response_body bytea, created_at timestamptz, completed_at timestamptz,
+    expires_at timestamptz, db_now timestamptz
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+BEGIN
+    -- Every claim of one scope queues here, whichever partition holds its record.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'an idempotency claim needs READ COMMITTED, not %',
+            current_setting('transaction_isolation');
+    END IF;
+    -- Held until the business transaction ends: a duplicate gets no row, never a wait.
+    IF NOT pg_try_advisory_xact_lock(
+        hashtext('flask_idem'),
+        hashtext(p_tenant || E'\x1f' || p_endpoint || E'\x1f' || p_key)) THEN
+        RETURN;
+    END IF;
+    -- Read the clock after the lock: a waiter never dates its row before the winner's.
+    v_now := clock_timestamp();
+    -- A record is live until its TTL ends, and, while in progress, as long as its owner holds
+    -- the lease: a request still running past the TTL must never let a retry run again.
+    RETURN QUERY
+        SELECT false, k.fingerprint, k.state::text, k.claim_token::text, k.lease_expires_at,
+               k.response_status, k.response_headers, k.response_body, k.created_at,
+               k.completed_at, k.expires_at, v_now
+          FROM idempotency_keys AS k
+         WHERE k.tenant = p_tenant AND k.endpoint = p_endpoint AND k.key = p_key
+           AND (k.expires_at > v_now
+                OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)
+                   + (k.expires_at - k.created_at) > v_now)
+         ORDER BY k.created_at DESC
+         LIMIT 1;
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+        WITH inserted AS (
+            INSERT INTO idempotency_keys (
+                tenant, endpoint, key, fingerprint, state, claim_token,
+                lease_expires_at, created_at, expires_at)
+            VALUES (
+                p_tenant, p_endpoint, p_key, p_fingerprint, 'in_progress', p_token,
+                v_now + make_interval(secs => p_lease), v_now,
+                v_now + make_interval(secs => p_ttl))
+            RETURNING *)
+        SELECT true, i.fingerprint, i.state::text, i.claim_token::text, i.lease_expires_at,
+               i.response_status, i.response_headers, i.response_body, i.created_at,
+               i.completed_at, i.expires_at, v_now
+          FROM inserted AS i;
+END
+$$;
+"""
 
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        for function in claim_functions(bounded=True):
-            op.execute(function)
+        op.execute(CLAIM_FUNCTION)
+        op.execute(ATOMIC_CLAIM_FUNCTION)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        for function in claim_functions(bounded=False):
-            op.execute(function)
+        op.execute(CLAIM_FUNCTION_0004)
+        op.execute(ATOMIC_CLAIM_FUNCTION_0004)

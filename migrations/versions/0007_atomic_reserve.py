@@ -26,6 +26,9 @@ token: in any later transaction it inserts nothing, and the request loses its cl
 ``idempotency_claim_atomic`` stays: a worker still running the previous release during a
 rolling deploy keeps claiming, and completing with its ``UPDATE``, as before.
 
+The text below is the whole function (revision 0006's atomic claim, renamed, with its insert
+made a reservation); the downgrade drops it.
+
 Revision ID: 0007
 Revises: 0006
 Create Date: 2026-12-01
@@ -33,7 +36,7 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
-from alembic import context, op
+from alembic import op
 
 revision = "0007"
 down_revision = "0006"
@@ -44,12 +47,55 @@ SIGNATURE = (
     "idempotency_claim_reserve(text, text, text, bytea, text, double precision, double precision)"
 )
 
-#: Where the atomic claim's insert starts and ends (revision 0001's text, found, not copied).
-INSERT_START = "    RETURN QUERY\n        WITH inserted AS ("
-INSERT_END = "FROM inserted AS i;"
-#: The same record, returned and not written (the store inserts it completed), and the
-#: transaction marked as the one holding it.
-RESERVE = """    -- A setting local to this transaction (it ends with it, as the lock does): the
+#: The atomic claim that reserves its record: the record it would have inserted is returned,
+#: not written (the store inserts it completed), and the transaction is marked as the one
+#: holding it.
+RESERVE_FUNCTION = r"""
+CREATE OR REPLACE FUNCTION idempotency_claim_reserve(
+    p_tenant text, p_endpoint text, p_key text, p_fingerprint bytea, p_token text,
+    p_ttl double precision, p_lease double precision
+) RETURNS TABLE (
+    claimed boolean, fingerprint bytea, state text, claim_token text,
+    lease_expires_at timestamptz, response_status integer, response_headers jsonb,
+    response_body bytea, created_at timestamptz, completed_at timestamptz,
+    expires_at timestamptz, db_now timestamptz
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+BEGIN
+    -- Every claim of one scope queues here, whichever partition holds its record.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'an idempotency claim needs READ COMMITTED, not %',
+            current_setting('transaction_isolation');
+    END IF;
+    -- Held until the business transaction ends: a duplicate gets no row, never a wait.
+    IF NOT pg_try_advisory_xact_lock(
+        hashtext('flask_idem'),
+        hashtext(p_tenant || E'\x1f' || p_endpoint || E'\x1f' || p_key)) THEN
+        RETURN;
+    END IF;
+    -- Read the clock after the lock: a waiter never dates its row before the winner's.
+    v_now := clock_timestamp();
+    -- A record is live until its TTL ends, and, while in progress, as long as its owner holds
+    -- the lease: a request still running past the TTL must never let a retry run again.
+    RETURN QUERY
+        SELECT false, k.fingerprint, k.state::text, k.claim_token::text, k.lease_expires_at,
+               k.response_status, k.response_headers, k.response_body, k.created_at,
+               k.completed_at, k.expires_at, v_now
+          FROM idempotency_keys AS k
+         WHERE k.tenant = p_tenant AND k.endpoint = p_endpoint AND k.key = p_key
+           AND (k.expires_at > v_now
+                OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)
+                   + (k.expires_at - k.created_at) > v_now)
+           -- No record of this scope was made a day or more after this clock (0006).
+           AND k.created_at < v_now + interval '1 day'
+         ORDER BY k.created_at DESC
+         LIMIT 1;
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    -- A setting local to this transaction (it ends with it, as the lock does): the
     -- completion inserts the record only while it still reads this claim's token, so never
     -- after the view ended the transaction itself (a rollback releases the lock, and a
     -- duplicate may then have run).
@@ -58,25 +104,15 @@ RESERVE = """    -- A setting local to this transaction (it ends with it, as the
         -- Reserved, not written: the store inserts it completed before the commit.
         SELECT true, p_fingerprint, 'in_progress'::text, p_token, v_now + make_interval(
                    secs => p_lease), NULL::integer, NULL::jsonb, NULL::bytea, v_now,
-               NULL::timestamptz, v_now + make_interval(secs => p_ttl), v_now;"""
-
-
-def reserve_function() -> str:
-    """The atomic claim of revision 0006, renamed, with its insert made a reservation."""
-    atomic = context.script.get_revision("0006").module.claim_functions(bounded=True)[1]
-    if atomic.count(INSERT_START) != 1 or atomic.count(INSERT_END) != 1:
-        raise RuntimeError("revision 0006's atomic claim is not the one this revision expects")
-    start = atomic.index(INSERT_START)
-    end = atomic.index(INSERT_END, start) + len(INSERT_END)
-    reserving = atomic[:start] + RESERVE + atomic[end:]
-    return reserving.replace(
-        "FUNCTION idempotency_claim_atomic(", "FUNCTION idempotency_claim_reserve(", 1
-    )
+               NULL::timestamptz, v_now + make_interval(secs => p_ttl), v_now;
+END
+$$;
+"""
 
 
 def upgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(reserve_function())
+        op.execute(RESERVE_FUNCTION)
 
 
 def downgrade() -> None:
