@@ -60,7 +60,8 @@ class OutcomeArgs(t.TypedDict, total=False):
 
 class BlueprintOptionArgs(OutcomeArgs, total=False):
     """The options of :meth:`Idempotency.protect_blueprint
-    <flask_idem.Idempotency.protect_blueprint>`: those of a view but ``key``."""
+    <flask_idem.Idempotency.protect_blueprint>` (a view's but ``key``): those of
+    :class:`OutcomeArgs` and these."""
 
     #: Whether a request without a key is refused with 400 (default
     #: ``IDEMPOTENCY_KEY_REQUIRED``); an optional key that is absent means no protection.
@@ -84,7 +85,8 @@ class BlueprintOptionArgs(OutcomeArgs, total=False):
 
 class ViewOptionArgs(BlueprintOptionArgs, total=False):
     """The options of :meth:`Idempotency.idempotent <flask_idem.Idempotency.idempotent>`, each
-    optional; :class:`ViewOptions` holds them validated, with their defaults."""
+    optional: those of :class:`BlueprintOptionArgs` and :class:`OutcomeArgs`, and ``key``.
+    :class:`ViewOptions` holds them validated, with their defaults."""
 
     #: ``(request) -> str`` taking the key from the request itself, for senders that assign
     #: one per operation (a webhook's event id: ``key=lambda request:
@@ -97,7 +99,8 @@ class ViewOptionArgs(BlueprintOptionArgs, total=False):
 
 class JobOptionArgs(OutcomeArgs, total=False):
     """The options of :meth:`Idempotency.job <flask_idem.Idempotency.job>` after its name, key
-    and tenant; :class:`JobOptions` holds them validated, with their defaults."""
+    and tenant, each optional: those of :class:`OutcomeArgs` and these. :class:`JobOptions`
+    holds them validated, with their defaults."""
 
     #: Seconds before a worker that stopped renewing counts as gone (default
     #: ``IDEMPOTENCY_LEASE``); renewed every third of it while the job runs.

@@ -45,7 +45,7 @@ from ..lease import LeaseKeeper
 from ..sessions import EXTENSION_KEY as SQLALCHEMY_EXTENSION
 from ..sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
 from ..state import EXTENSION_NAME, AppState, RequestState
-from ..store import Store, create_store
+from ..store import RequestStore, Store, create_store, operator_store
 from . import flow
 
 if t.TYPE_CHECKING:
@@ -64,7 +64,10 @@ class Idempotency:
 
     :param app: the application, or None to call :meth:`init_app` later.
     :param store: a ready store; by default one is built from ``IDEMPOTENCY_ENGINE`` or
-        ``IDEMPOTENCY_DATABASE_URL``.
+        ``IDEMPOTENCY_DATABASE_URL``. A store with the request primitives only
+        (:class:`~flask_idem.store.RequestStore`) needs ``IDEMPOTENCY_BLUEPRINT_PREFIX = None``:
+        the inspection endpoint, ``flask idem`` and the other operator tools read records
+        through :class:`~flask_idem.store.OperatorStore`.
     :param tenant: a callable returning the authenticated tenant of the current request
         (for example from ``flask.g``); see also :meth:`tenant_resolver`.
     :param db: the application's Flask-SQLAlchemy ``SQLAlchemy``: the store runs on its
@@ -86,7 +89,7 @@ class Idempotency:
         self,
         app: Flask | None = None,
         *,
-        store: Store | None = None,
+        store: RequestStore | None = None,
         tenant: t.Callable[[], str | None] | None = None,
         db: t.Any = None,
         bind_key: str | None = None,
@@ -130,12 +133,20 @@ class Idempotency:
         store = self._store or (
             create_store(sessions.engine(app)) if sessions else self._build_store(settings)
         )
+        if settings.blueprint_prefix is not None:
+            # Refused before anything is registered: the endpoint and its page read records.
+            operator_store(
+                store,
+                "the inspection endpoint (IDEMPOTENCY_BLUEPRINT_PREFIX = None switches it off)",
+            )
         store.use_sealer(Sealer.from_settings(settings))
         store.use_audit(settings.audit, settings.audit_retention)
         store.use_archive(settings.archive)
         guard_commits(store.engine)
         if settings.ensure_partitions and settings.enabled:
-            _ensure_partitions(store, settings.partitions_ahead)
+            _ensure_partitions(
+                operator_store(store, "IDEMPOTENCY_ENSURE_PARTITIONS"), settings.partitions_ahead
+            )
         app.extensions[EXTENSION_NAME] = AppState(
             self,
             settings,
