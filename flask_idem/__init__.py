@@ -32,7 +32,7 @@ from .core.record import (
 )
 from .ops.downstream import DownstreamRecord
 from .ops.reconcile import Settlement, Verdict
-from .store import Store, create_store
+from .store import OperatorStore, RequestStore, Store, create_store
 from .web.extension import Idempotency
 
 __all__ = [
@@ -50,8 +50,10 @@ __all__ = [
     "JobResultNotStored",
     "JobResultUnreadable",
     "MaintenanceReport",
+    "OperatorStore",
     "Problem",
     "Record",
+    "RequestStore",
     "Reservation",
     "SchemaMissing",
     "Scope",

@@ -18,7 +18,7 @@ import time
 
 from .core.errors import StoreUnavailable
 from .core.record import Record
-from .store.base import Store
+from .store.base import RequestStore
 from .store.messages import redacted
 
 log = logging.getLogger("flask_idem")
@@ -37,7 +37,7 @@ class Watch:
 class LeaseKeeper:
     """Renews watched leases from one background thread (started on first use per process)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: RequestStore) -> None:
         self.store = store
         self._condition = threading.Condition()
         self._heap: list[tuple[float, int, Watch]] = []

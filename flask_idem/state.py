@@ -21,7 +21,7 @@ from .core.options import JobOptions, ViewOptions
 from .core.record import Record, Reservation, Scope
 from .lease import LeaseKeeper, Watch
 from .observers import call_observer
-from .store import Store, commit_count
+from .store import RequestStore, commit_count
 from .store.sql import translate_errors
 
 if t.TYPE_CHECKING:
@@ -61,7 +61,7 @@ class AppState:
 
     extension: Idempotency
     settings: Settings
-    store: Store
+    store: RequestStore
     keeper: LeaseKeeper
     #: The application's Flask-SQLAlchemy session (``Idempotency(db=...)``): the business
     #: transaction of every protected request, None for the store's own connections.

@@ -1,4 +1,14 @@
-"""How one view (or blueprint, or the whole application), or one background job, is protected."""
+"""How one view (or blueprint, or the whole application), or one background job, is protected.
+
+Each option is declared once, as a key of a ``TypedDict`` (:class:`ViewOptionArgs`,
+:class:`BlueprintOptionArgs`, :class:`JobOptionArgs`, sharing :class:`OutcomeArgs`): the
+decorators take ``**options: Unpack[...]`` of it, so a type checker checks their callers (and
+they refuse other keywords at run time), and its comment is the option's documentation. The
+frozen dataclasses (:class:`ViewOptions`, :class:`JobOptions`, sharing :class:`OutcomeOptions`)
+hold the validated values with their defaults; they restate the names only because a type
+checker reads attributes from a class, not from a ``TypedDict`` (tests/test_options.py keeps
+the two equal).
+"""
 
 from __future__ import annotations
 
@@ -26,18 +36,101 @@ ReplayFunction = t.Callable[[StoredResponse], ResponseReturnValue]
 OPTIONS_ATTRIBUTE = "__idempotency__"
 
 
-def _check_outcome_options(recovery: str, ttl: float | None) -> None:
-    if recovery not in ("fail", "reexecute"):
-        raise ConfigurationError("recovery must be 'fail' or 'reexecute'")
-    if ttl is not None and not 0 < ttl <= MAXIMA["IDEMPOTENCY_TTL"]:
-        raise ConfigurationError(
-            f"ttl must be a positive number of seconds, at most {MAXIMA['IDEMPOTENCY_TTL']:.0f}"
-        )
+class OutcomeArgs(t.TypedDict, total=False):
+    """The options a view and a job share: how long the key lives and what a failure does."""
+
+    #: Seconds the key stays live (default ``IDEMPOTENCY_TTL``), counted from the claim and
+    #: again from the end of the attempt; for a job, longer than the queue's longest
+    #: redelivery delay.
+    ttl: float | None
+    #: What a retry does when the outcome of the first attempt is unknown (it failed after
+    #: contact with the outside world, or its lease ran out): ``"fail"`` (409
+    #: ``outcome-pending``, or ``JobOutcomePending``, until reconciled) or ``"reexecute"``
+    #: (run it again as the same operation, with the same downstream keys; for external calls
+    #: that deduplicate on them).
+    recovery: Recovery
+    #: A failure before the first ``idem.downstream_key()`` or ``idem.side_effect()`` gives the
+    #: key back for a fresh execution (the code promises to call one of them before any
+    #: contact with the outside world). Without it every failure leaves the key ``unknown``,
+    #: unless the view answers through ``idem.refuse()``.
+    release_before_contact: bool
+    #: The former name of ``release_before_contact`` (deprecated).
+    declares_effects: bool | None
 
 
-@dataclasses.dataclass(frozen=True)
-class ViewOptions:
-    """The per-view options of :meth:`Idempotency.idempotent <flask_idem.Idempotency.idempotent>`.
+class BlueprintOptionArgs(OutcomeArgs, total=False):
+    """The options of :meth:`Idempotency.protect_blueprint
+    <flask_idem.Idempotency.protect_blueprint>` (a view's but ``key``): those of
+    :class:`OutcomeArgs` and these."""
+
+    #: Whether a request without a key is refused with 400 (default
+    #: ``IDEMPOTENCY_KEY_REQUIRED``); an optional key that is absent means no protection.
+    required: bool | None
+    #: Top-level body fields left out of the fingerprint (volatile ones).
+    exclude: t.Iterable[str]
+    #: If given, the only top-level body fields in the fingerprint.
+    include: t.Iterable[str] | None
+    #: ``(request) -> bytes | str`` replacing the canonical body and query comparison.
+    fingerprint: FingerprintFunction | None
+    #: Claim inside the view's business transaction (``idem.connection()``): the claim, the
+    #: business rows and the stored response commit once, a failure rolls all of it back (the
+    #: key is free again), and no lease is kept; a concurrent duplicate still gets 409 at
+    #: once. Only for views whose effects are all in the database: ``downstream_key()`` and
+    #: ``side_effect()`` are refused.
+    atomic: bool
+    #: ``(stored response) -> response`` building the answer to a retry, for responses that
+    #: must not be replayed verbatim (short-lived signed URLs, one-time tokens).
+    replay: ReplayFunction | None
+
+
+class ViewOptionArgs(BlueprintOptionArgs, total=False):
+    """The options of :meth:`Idempotency.idempotent <flask_idem.Idempotency.idempotent>`, each
+    optional: those of :class:`BlueprintOptionArgs` and :class:`OutcomeArgs`, and ``key``.
+    :class:`ViewOptions` holds them validated, with their defaults."""
+
+    #: ``(request) -> str`` taking the key from the request itself, for senders that assign
+    #: one per operation (a webhook's event id: ``key=lambda request:
+    #: request.get_json()["id"]``); the header is then ignored. A request it finds no key in
+    #: (it returns None or raises) is refused with 400 ``idempotency-key-missing``, an invalid
+    #: key with 400 ``idempotency-key-invalid``, both before any claim. Verify signatures
+    #: before the claim (a ``before_request`` hook or a decorator above the guard).
+    key: KeyFunction | None
+
+
+class JobOptionArgs(OutcomeArgs, total=False):
+    """The options of :meth:`Idempotency.job <flask_idem.Idempotency.job>` after its name, key
+    and tenant, each optional: those of :class:`OutcomeArgs` and these. :class:`JobOptions`
+    holds them validated, with their defaults."""
+
+    #: Seconds before a worker that stopped renewing counts as gone (default
+    #: ``IDEMPOTENCY_LEASE``); renewed every third of it while the job runs.
+    lease: float | None
+    #: ``(*args, **kwargs) -> bytes | str`` replacing the JSON of the job's arguments, which a
+    #: redelivery must repeat (else ``JobKeyReused``).
+    fingerprint: t.Callable[..., bytes | str] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OutcomeOptions:
+    """The validated options of :class:`OutcomeArgs`, with their defaults."""
+
+    ttl: float | None = None
+    recovery: Recovery = "fail"
+    release_before_contact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recovery not in ("fail", "reexecute"):
+            raise ConfigurationError("recovery must be 'fail' or 'reexecute'")
+        if self.ttl is not None and not 0 < self.ttl <= MAXIMA["IDEMPOTENCY_TTL"]:
+            raise ConfigurationError(
+                f"ttl must be a positive number of seconds, at most {MAXIMA['IDEMPOTENCY_TTL']:.0f}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ViewOptions(OutcomeOptions):
+    """How one view (or blueprint, or the whole application) is protected: the options of
+    :class:`ViewOptionArgs`, validated, with their defaults.
 
     ``release_before_contact`` is the view's promise that it calls ``idem.downstream_key()``
     or ``idem.side_effect()`` before any contact with the outside world, so that a failure
@@ -51,20 +144,17 @@ class ViewOptions:
     transaction: external calls are refused.
     """
 
-    ttl: float | None = None
     required: bool | None = None
     exclude: tuple[str, ...] = ()
     include: tuple[str, ...] | None = None
     fingerprint: FingerprintFunction | None = None
-    recovery: Recovery = "fail"
-    release_before_contact: bool = False
     atomic: bool = False
     replay: ReplayFunction | None = None
     #: Takes the key from the request instead of the header (see ``key=``).
     key: KeyFunction | None = None
 
     def __post_init__(self) -> None:
-        _check_outcome_options(self.recovery, self.ttl)
+        super().__post_init__()
         if self.atomic and (self.recovery != "fail" or self.release_before_contact):
             raise ConfigurationError(
                 "an atomic view never leaves an unknown outcome (a failure rolls everything "
@@ -82,30 +172,37 @@ class ViewOptions:
 
     @classmethod
     def build(
-        cls,
-        *,
-        exclude: t.Iterable[str] = (),
-        include: t.Iterable[str] | None = None,
-        **options: t.Any,
+        cls, caller: str, declaration: type[t.Any], args: t.Mapping[str, t.Any]
     ) -> ViewOptions:
-        return cls(
-            exclude=tuple(exclude),
-            include=None if include is None else tuple(include),
-            **options,
+        """The options a decorator was given as its ``**options`` (of ``declaration``, a
+        ``TypedDict`` above): iterables as tuples, the deprecated name read."""
+        given = _given(caller, declaration, args)
+        given["exclude"] = tuple(given.get("exclude", ()))
+        if given.get("include") is not None:
+            given["include"] = tuple(given["include"])
+        return cls(**given)
+
+
+def _given(caller: str, declaration: type[t.Any], args: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
+    """The keywords given to ``caller``, refused as Python refuses an unexpected keyword (the
+    type checker refuses them earlier), with ``declares_effects`` (deprecated: it did not say
+    that it gives the key back) read as ``release_before_contact``."""
+    accepted = declaration.__required_keys__ | declaration.__optional_keys__
+    for name in args:
+        if name not in accepted:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    given = dict(args)
+    declares_effects = given.pop("declares_effects", None)
+    if declares_effects is not None:
+        warnings.warn(
+            "declares_effects= is deprecated: use release_before_contact=",
+            DeprecationWarning,
+            stacklevel=4,  # the caller of the public method (through build and _given)
         )
-
-
-def release_option(release_before_contact: bool, declares_effects: bool | None) -> bool:
-    """``release_before_contact``, or its former name ``declares_effects`` (deprecated: it
-    did not say that it gives the key back)."""
-    if declares_effects is None:
-        return release_before_contact
-    warnings.warn(
-        "declares_effects= is deprecated: use release_before_contact=",
-        DeprecationWarning,
-        stacklevel=3,  # the caller of the public method
-    )
-    return release_before_contact or declares_effects
+        given["release_before_contact"] = given.get("release_before_contact", False) or bool(
+            declares_effects
+        )
+    return given
 
 
 #: The marker of :meth:`Idempotency.exempt <flask_idem.Idempotency.exempt>`.
@@ -117,8 +214,9 @@ JOB_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 
 
 @dataclasses.dataclass(frozen=True)
-class JobOptions:
-    """The options of :meth:`Idempotency.job <flask_idem.Idempotency.job>`.
+class JobOptions(OutcomeOptions):
+    """The options of :meth:`Idempotency.job <flask_idem.Idempotency.job>`: its name, key and
+    tenant, and those of :class:`JobOptionArgs`, validated, with their defaults.
 
     ``recovery`` and ``release_before_contact`` mean what they mean for a view; ``lease`` overrides
     ``IDEMPOTENCY_LEASE`` for long jobs (renewed every third of it while the job runs).
@@ -127,19 +225,24 @@ class JobOptions:
     name: str
     key: JobArgument
     tenant: JobArgument
-    ttl: float | None = None
-    lease: float | None = None
-    recovery: Recovery = "fail"
-    release_before_contact: bool = False
+    lease: float | None = dataclasses.field(default=None, kw_only=True)
     #: ``(*args, **kwargs) -> bytes | str`` replacing the JSON of the job's arguments.
-    fingerprint: t.Callable[..., bytes | str] | None = None
+    fingerprint: t.Callable[..., bytes | str] | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        _check_outcome_options(self.recovery, self.ttl)
+        super().__post_init__()
         if not JOB_NAME.fullmatch(self.name):
             raise ConfigurationError("a job name is 1 to 200 characters from A-Z a-z 0-9 . _ : / -")
         if self.lease is not None and not 0 < self.lease < float("inf"):
             raise ConfigurationError("lease must be a positive number of seconds")
+
+    @classmethod
+    def build(
+        cls, name: str, key: JobArgument, tenant: JobArgument, args: t.Mapping[str, t.Any]
+    ) -> JobOptions:
+        """The options a job decorator was given as its ``**options`` (of
+        :class:`JobOptionArgs`), the deprecated name read."""
+        return cls(name, key, tenant, **_given("Idempotency.job", JobOptionArgs, args))
 
     @property
     def endpoint(self) -> str:

@@ -40,7 +40,6 @@ import dataclasses
 import datetime as dt
 import functools
 import json
-import logging
 import os
 import re
 import struct
@@ -48,11 +47,10 @@ import typing as t
 import zlib
 
 from .errors import ConfigurationError, UnreadableResponse
-from .record import STORABLE_STATUSES, Record, Scope, StoredResponse
+from .record import STORABLE_STATUSES, Scope, StoredResponse
 
 if t.TYPE_CHECKING:
     from .config import Settings
-    from .problem import Problem
 
 MAGIC = b"\x89IDM"
 VERSION = 1
@@ -81,8 +79,6 @@ HEADER_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 _LENGTH = struct.Struct(">I")
 _URLSAFE = str.maketrans("-_", "+/")
 _AAD_CONTEXT = b"flask_idem/stored-response/v1"
-
-log = logging.getLogger("flask_idem")
 
 _KEY_FORMAT = (
     "a key is 32 random bytes in base64 or urlsafe base64 (make one with "
@@ -381,24 +377,3 @@ def _header_pairs(headers: t.Any) -> tuple[tuple[str, str], ...]:
             raise UnreadableResponse("malformed headers")
         pairs.append((name, value))
     return tuple(pairs)
-
-
-def unreadable_problem(record: Record) -> Problem:
-    """Log a completed record whose snapshot cannot be read, and the problem that answers it.
-
-    The request is neither replayed (it would be garbage) nor executed again (the operation
-    happened): the key stays taken, and a retry gets the same answer until an operator puts
-    the missing key back.
-    """
-    from .idempotency_keys import key_hash
-    from .problem import StoredResponseUnreadable
-
-    log.error(
-        "stored response unreadable: %s",
-        record.unreadable,
-        extra={"key_hash": key_hash(record.scope)},
-    )
-    return StoredResponseUnreadable(
-        "The original request completed, but its stored response cannot be read on this "
-        "server; it was not executed again. Retry later with the same key."
-    )

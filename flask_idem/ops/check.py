@@ -30,7 +30,7 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 
 from ..core.errors import UPGRADE_HINT, StoreUnavailable
-from ..store import PostgresStore, Store
+from ..store import PostgresStore, RequestStore
 from ..store.expected_functions import EXPECTED_FUNCTIONS, drift
 from ..store.pooler import SENT, STARTUP_MARKER
 from ..store.sql import translate_errors
@@ -71,7 +71,7 @@ class Finding:
     detail: str
 
 
-def run(store: Store, *, partitions_ahead: int, migrate: t.Any = None) -> list[Finding]:
+def run(store: RequestStore, *, partitions_ahead: int, migrate: t.Any = None) -> list[Finding]:
     """Every check that applies to ``store``'s database, in order.
 
     :param partitions_ahead: the partitions wanted after the current one

@@ -29,7 +29,7 @@ from ..core.sealing import KEY_ID_PATTERN, KEY_ID_SIZE, generate_key
 from ..core.serialization import record_schema
 from ..events import emit
 from ..state import AppState
-from ..store import citus, trail
+from ..store import citus, operator_store, trail
 from ..store.messages import database_message
 from ..store.trail import AuditEntry
 from . import check
@@ -154,23 +154,24 @@ def maintain(ahead: int | None, dry_run: bool, as_json: bool) -> None:
     to run from cron every few minutes.
     """
     state = AppState.current()
+    store = operator_store(state.store, "flask idem maintain")
     ahead = state.settings.partitions_ahead if ahead is None else ahead
-    report = state.store.maintain(ahead=ahead, dry_run=dry_run)
+    report = store.maintain(ahead=ahead, dry_run=dry_run)
     if as_json:
         dumped = report.as_dict()
-        if not state.store.audit:
+        if not store.audit:
             dumped = {k: v for k, v in dumped.items() if not k.startswith("audit_")}
-        if state.store.archive is None or state.store.dialect != "postgresql":
+        if store.archive is None or store.dialect != "postgresql":
             dumped = {k: v for k, v in dumped.items() if not k.startswith("archive")}
-        _print_json({"dialect": state.store.dialect, **dumped})
+        _print_json({"dialect": store.dialect, **dumped})
     else:
-        partitioned = state.store.dialect == "postgresql"
+        partitioned = store.dialect == "postgresql"
         click.echo(
             _maintenance_text(
                 report,
                 partitioned=partitioned,
-                audited=state.store.audit,
-                archiving=partitioned and state.store.archive is not None,
+                audited=store.audit,
+                archiving=partitioned and store.archive is not None,
             )
         )
 
@@ -293,8 +294,7 @@ def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
     are reconciled (flask idem reconcile) or released, except on views with
     recovery="reexecute", where a retry takes an expired lease over.
     """
-    state = AppState.current()
-    records = state.store.stuck(limit=limit)
+    records = operator_store(AppState.current().store, "flask idem stuck").stuck(limit=limit)
     if as_json:
         _print_json(record_schema(bodies=False, keys=show_keys, many=True).dump(records))
         return
@@ -346,10 +346,11 @@ def show(hashed: str | None, tenant: str, endpoint: str | None, as_json: bool) -
     IDEMPOTENCY_INSPECT_BODIES.
     """
     state = AppState.current()
+    store = operator_store(state.store, "flask idem show")
     if hashed is None:
-        records = state.store.find(tenant, _read_key(), endpoint)
+        records = store.find(tenant, _read_key(), endpoint)
     else:
-        records = state.store.find_hashed(tenant, hashed, endpoint)
+        records = store.find_hashed(tenant, hashed, endpoint)
     schema = record_schema(bodies=state.settings.inspect_bodies, keys=False, many=True)
     if as_json:
         _print_json(schema.dump(records))
@@ -370,17 +371,17 @@ def history(hashed: str | None, tenant: str, endpoint: str | None, as_json: bool
     IDEMPOTENCY_AUDIT (rows are written only while it is on). Covers expired records too, for
     as long as IDEMPOTENCY_AUDIT_RETENTION keeps their rows. Exit 1 if none.
     """
-    state = AppState.current()
+    store = operator_store(AppState.current().store, "flask idem history")
     if hashed is None:
-        entries = state.store.history(tenant, _read_key(), endpoint)
+        entries = store.history(tenant, _read_key(), endpoint)
     else:
-        entries = state.store.history_hashed(tenant, hashed, endpoint)
+        entries = store.history_hashed(tenant, hashed, endpoint)
     if as_json:
         _print_json([entry.as_json() for entry in entries])
     elif entries:
         click.echo(_table(_HISTORY_HEADER, [_history_row(entry) for entry in entries]))
     if not entries:
-        note = "" if state.store.audit else " (IDEMPOTENCY_AUDIT is off)"
+        note = "" if store.audit else " (IDEMPOTENCY_AUDIT is off)"
         raise click.ClickException(f"no audit rows of this key for this tenant{note}")
 
 
@@ -402,6 +403,7 @@ def _history_row(entry: AuditEntry) -> list[str]:
 
 
 @idem_group.command("metrics")
+@_store_errors
 def metrics_command() -> None:
     """Print the table's gauges in Prometheus text format (for a textfile collector).
 
@@ -414,7 +416,9 @@ def metrics_command() -> None:
     from .metrics import TableCollector
 
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
-    registry.register(TableCollector(AppState.current().store))
+    registry.register(
+        TableCollector(operator_store(AppState.current().store, "flask idem metrics"))
+    )
     click.echo(prometheus_client.generate_latest(registry).decode(), nl=False)
 
 
@@ -444,11 +448,11 @@ def release(
     reconcile, which asks the endpoint's reconciler. With the key piped in and no --yes, the
     confirmation is read from the next line.
     """
-    state = AppState.current()
+    store = operator_store(AppState.current().store, "flask idem release")
     if hashed is None:
-        record = state.store.get(Scope(tenant, endpoint, _read_key()))
+        record = store.get(Scope(tenant, endpoint, _read_key()))
     else:
-        found = state.store.find_hashed(tenant, hashed, endpoint)
+        found = store.find_hashed(tenant, hashed, endpoint)
         record = found[-1] if found else None  # the newest, as get() returns it
     if record is None:
         raise _not_found(hashed, "for this tenant and endpoint")
@@ -467,7 +471,7 @@ def release(
     # charging right now) is never reopened under it.
     reason = "flask idem release --not-happened" if not_happened else "flask idem release"
     with trail.acting("operator", reason):
-        done = state.store.reopen(scope, token=record.claim_token)
+        done = store.reopen(scope, token=record.claim_token)
     if not done:
         raise click.ClickException(
             "the record changed meanwhile (a retry took it over?); look again"
@@ -517,7 +521,7 @@ def reconcile_command(limit: int, as_json: bool) -> None:
     operation, with the same downstream keys) or cannot tell (the record stays).
     Exits with status 1 when any record stays unknown.
     """
-    records = AppState.current().store.stuck(limit=limit)
+    records = operator_store(AppState.current().store, "flask idem reconcile").stuck(limit=limit)
     if len(records) > PROGRESS_AFTER:
         with click.progressbar(records, label="reconciling", file=sys.stderr) as progress:
             settlements = list(reconcile(progress))
@@ -685,7 +689,8 @@ idem_group.add_command(keys_group)
 def _key_rows(state: AppState) -> list[dict[str, t.Any]]:
     """One row per configured key (in order), per key live records use but the configuration
     lacks, and one for responses stored unencrypted."""
-    usage: dict[str | None, KeyUsage] = {u.key_id: u for u in state.store.key_usage()}
+    store = operator_store(state.store, "flask idem keys")
+    usage: dict[str | None, KeyUsage] = {u.key_id: u for u in store.key_usage()}
     configured = [key.id for key in state.settings.encryption_keys]
 
     def row(key_id: str | None, role: str) -> dict[str, t.Any]:

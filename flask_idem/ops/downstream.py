@@ -33,6 +33,7 @@ from flask import current_app
 from ..core.idempotency_keys import derive_key
 from ..core.record import Record, State
 from ..state import AppState
+from ..store import operator_store
 from .reconcile import resolve_targets
 
 
@@ -113,7 +114,8 @@ def audit(start: dt.datetime, end: dt.datetime, *, margin: float = 3600) -> Audi
         "downstream lookup",
     )
     wide = dt.timedelta(seconds=margin)
-    records = state.store.created_between(start - wide, end + wide, endpoints=list(targets))
+    store = operator_store(state.store, "the next-day check")
+    records = store.created_between(start - wide, end + wide, endpoints=list(targets))
     # One service may serve several endpoints: ask it once, match against all of them.
     by_lookup: dict[Lookup, dict[tuple[str, str], Record]] = {}
     for record in records:

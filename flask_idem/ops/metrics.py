@@ -47,7 +47,7 @@ from flask import Flask, Response, current_app
 from ..core.config import Settings
 from ..core.errors import ConfigurationError, StoreUnavailable
 from ..state import AppState
-from ..store import Store
+from ..store import OperatorStore, RequestStore
 from . import counting
 from .counting import CLAIM_BUCKETS, DESCRIPTIONS, VIEW_BUCKETS, Recorder
 
@@ -180,7 +180,7 @@ def check_multiprocess_mode() -> None:
 class TableCollector:
     """Gauges read from the table at collection time (one query per scrape)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: OperatorStore) -> None:
         self.store = store
 
     def collect(self) -> t.Iterator[GaugeMetricFamily]:
@@ -222,9 +222,10 @@ class TableCollector:
                 yield GaugeMetricFamily(f"idempotency_{name}", help_text, value=value)
 
 
-def exposition(store: Store, metrics: Metrics | None) -> bytes:
+def exposition(store: RequestStore, metrics: Metrics | None) -> bytes:
     """The text exposition: the counters and histograms (of every worker in multiprocess
-    mode), then the table's gauges."""
+    mode), then the table's gauges (read through the operator interface: none from a store
+    with the request primitives only)."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = prometheus.CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
@@ -233,6 +234,8 @@ def exposition(store: Store, metrics: Metrics | None) -> bytes:
         body = prometheus.generate_latest(metrics.registry)
     else:
         body = b""
+    if not isinstance(store, OperatorStore):
+        return body
     table = prometheus.CollectorRegistry(auto_describe=False)
     table.register(TableCollector(store))
     return body + prometheus.generate_latest(table)

@@ -49,7 +49,7 @@ from ..core.snapshot import response_snapshot
 from ..events import emit
 from ..jobs import JOB_ATTRIBUTE
 from ..state import AppState
-from ..store import trail
+from ..store import operator_store, trail
 from ..store.messages import redacted
 
 log = logging.getLogger("flask_idem")
@@ -218,11 +218,12 @@ def _settle(state: AppState, record: Record, reconciler: Reconciler | None) -> S
     if response is None and record.state is State.REOPENED:
         return Settlement(record, Action.SKIPPED, "already reopened: the next retry runs it")
     # Both writes are fenced by the token this verdict was computed against.
+    store = operator_store(state.store, "reconciling")
     with trail.acting("reconciler", verdict.reason):
         if response is None:
-            settled = state.store.reopen(record.scope, token=record.claim_token)
+            settled = store.reopen(record.scope, token=record.claim_token)
         else:
-            settled = state.store.resolve(
+            settled = store.resolve(
                 record.scope, response, token=record.claim_token, created_at=record.created_at
             )
     if not settled:

@@ -8,19 +8,22 @@ import sqlalchemy as sa
 
 from ..core.errors import ConfigurationError
 from . import engines, pooler
-from .base import Store
+from .base import OperatorStore, RequestStore, Store, operator_store
 from .postgresql import PostgresStore
 from .sql import SQLStore
 from .sqlite import SQLiteStore
 
 __all__ = [
+    "OperatorStore",
     "PostgresStore",
+    "RequestStore",
     "SQLStore",
     "SQLiteStore",
     "Store",
     "create_engine",
     "create_store",
     "engine_options",
+    "operator_store",
     "prepare_engine",
 ]
 

@@ -1,9 +1,23 @@
-"""The storage interface: atomic primitives over one (tenant, endpoint, key) scope each.
+"""The storage interfaces: atomic primitives over one (tenant, endpoint, key) scope each.
 
-The state machine that decides what a request gets (run, replay, 409, 422) lives above this
-interface, in the extension. A store only offers primitives that are each atomic on their own,
-so that the decisions above never race. Every write after a claim carries the claim's token:
-once a lease has been taken over, the stale owner's writes match nothing (fencing).
+Two of them:
+
+:class:`RequestStore`
+    the request primitives, what protected requests, jobs and leases call (claim, complete,
+    release, mark unknown, renew, take over, get, the business transaction): the minimum a
+    custom store implements.
+:class:`OperatorStore`
+    reading and keeping the records for operators: lookups, stuck lists, settling stuck
+    records, the audit trail, gauges, key usage and upkeep, what ``flask idem``, the
+    inspection endpoint and operator page, reconcilers, the next-day check, the metrics' table
+    gauges and ``IDEMPOTENCY_ENSURE_PARTITIONS`` call.
+
+:class:`Store` is both, as the built-in stores are.
+
+The state machine that decides what a request gets (run, replay, 409, 422) lives above these
+interfaces. A store only offers primitives that are each atomic on their own, so that the
+decisions above never race. Every write after a claim carries the claim's token: once a lease
+has been taken over, the stale owner's writes match nothing (fencing).
 """
 
 from __future__ import annotations
@@ -29,8 +43,9 @@ from ..core.sealing import Sealer
 from .trail import AuditEntry
 
 
-class Store(abc.ABC):
-    """Atomic idempotency primitives; implementations raise only ``StoreUnavailable``."""
+class RequestStore(abc.ABC):
+    """The request primitives: what a custom store implements at least; implementations raise
+    only ``StoreUnavailable``."""
 
     #: SQLAlchemy dialect name this store speaks ("postgresql", "sqlite").
     dialect: t.ClassVar[str]
@@ -176,6 +191,16 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
+    def begin(self) -> sa.Connection:
+        """Open a connection in a transaction for business writes committed with ``complete``."""
+
+
+class OperatorStore(abc.ABC):
+    """Reading and keeping the records for operators (see the module's docstring); what a
+    store implements on top of :class:`RequestStore` for ``flask idem`` and the other
+    operator tools. Implementations raise only ``StoreUnavailable``."""
+
+    @abc.abstractmethod
     def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
         """Live records of ``key`` in one tenant, on one endpoint or all (operators' view)."""
 
@@ -275,12 +300,27 @@ class Store(abc.ABC):
         ``flask idem keys``."""
 
     @abc.abstractmethod
-    def begin(self) -> sa.Connection:
-        """Open a connection in a transaction for business writes committed with ``complete``."""
-
-    @abc.abstractmethod
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         """Prepare storage ahead and remove what has expired.
 
         :param ahead: partitions to keep ready after the current one (PostgreSQL).
         """
+
+
+class Store(RequestStore, OperatorStore):
+    """Both interfaces: the request primitives and the operator's (the built-in stores)."""
+
+
+def operator_store(store: RequestStore, needed_by: str) -> Store:
+    """``store`` as the :class:`OperatorStore` ``needed_by`` reads records through.
+
+    :raises ConfigurationError: the store implements the request primitives only.
+    """
+    if not isinstance(store, OperatorStore):
+        raise ConfigurationError(
+            f"{needed_by} reads records through the operator interface "
+            f"(flask_idem.store.OperatorStore), which {type(store).__name__} does not "
+            "implement: it implements the request primitives only (RequestStore)"
+        )
+    # A store implementing both interfaces without subclassing Store offers all it has.
+    return t.cast(Store, store)

@@ -9,7 +9,7 @@
 * :func:`count_runs` and :func:`assert_ran_once` check the property that matters: retries of
   one request ran the view once and got the first answer back.
 * :class:`flask_idem.testing.contract.StoreContract` is the store contract suite, for authors
-  of a custom :class:`~flask_idem.Store`.
+  of a custom store (:class:`~flask_idem.RequestStore`, :class:`~flask_idem.Store`).
 
 Nothing here is imported by ``import flask_idem``; only the contract and the plugin need pytest.
 """
@@ -28,7 +28,7 @@ from flask import Flask
 from ..core import signals
 from ..core.record import Scope
 from ..ops.migrate import upgrade
-from ..store import SQLStore, Store, create_store
+from ..store import RequestStore, SQLStore, create_store
 from ..store.table import AUDIT_TABLE_NAME, TABLE_NAME
 
 if t.TYPE_CHECKING:
@@ -68,7 +68,7 @@ def ready_store(url: str | sa.URL | None = None, *, migrate: bool = True) -> t.I
             empty_store(store)
 
 
-def empty_store(store: Store) -> None:
+def empty_store(store: RequestStore) -> None:
     """Delete every record (between tests; the schema stays)."""
     tables = [TABLE_NAME, AUDIT_TABLE_NAME]
     with store.engine.begin() as conn:
@@ -79,7 +79,7 @@ def empty_store(store: Store) -> None:
                 conn.exec_driver_sql(f"DELETE FROM {name}")
 
 
-def age_record(store: Store, scope: Scope, seconds: float, *columns: str) -> None:
+def age_record(store: RequestStore, scope: Scope, seconds: float, *columns: str) -> None:
     """Move a record of a SQL store ``seconds`` into the past (its creation, expiry, lease and
     completion, or only ``columns``). Stores read the database clock: never ``sleep``."""
     columns = columns or ("created_at", "expires_at", "lease_expires_at", "completed_at")

@@ -1,8 +1,12 @@
-"""The store contract: what every :class:`~flask_idem.Store` must do, as a pytest suite.
+"""The store contract: what every store must do, as pytest suites, one per interface.
 
-flask_idem runs it on its own stores (PostgreSQL and SQLite); an author of a custom store runs
-it on theirs by subclassing :class:`StoreContract` in a test module and giving it a ``store``
-fixture (an empty, ready store), and :meth:`StoreContract.age` when the store is not SQL::
+:class:`RequestStoreContract` checks the request primitives (:class:`~flask_idem.RequestStore`,
+the minimum of a custom store), :class:`OperatorStoreContract` the operator interface
+(:class:`~flask_idem.OperatorStore`), and :class:`StoreContract` both, for a
+:class:`~flask_idem.Store`. flask_idem runs :class:`StoreContract` on its own stores
+(PostgreSQL and SQLite); an author of a custom store runs the one that fits on theirs by
+subclassing it in a test module and giving it a ``store`` fixture (an empty, ready store), and
+:meth:`~RequestStoreContract.age` when the store is not SQL::
 
     from flask_idem.testing.contract import StoreContract
 
@@ -25,7 +29,7 @@ import hashlib
 import pytest
 
 from ..core.record import Scope, State, StoredResponse
-from ..store import Store
+from ..store import RequestStore, Store
 from . import age_record
 
 FP = hashlib.sha256(b"request").digest()
@@ -39,22 +43,26 @@ def _seconds(n: float) -> dt.timedelta:
     return dt.timedelta(seconds=n)
 
 
-class StoreContract:
-    """The contract suite; subclass it (its name must start with ``Test``) with a ``store``
-    fixture."""
+class _Contract:
+    """What both suites use: a scope per test, and moving a record in time."""
 
     @pytest.fixture
     def scope(self, request: pytest.FixtureRequest) -> Scope:
         """A scope of its own per test."""
         return Scope("tenant-a", "POST /v1/payments", f"key-{request.node.name}"[:255])
 
-    def age(self, store: Store, scope: Scope, seconds: float, *columns: str) -> None:
+    def age(self, store: RequestStore, scope: Scope, seconds: float, *columns: str) -> None:
         """Move the scope's record ``seconds`` into the past: all its times, or only
         ``columns`` (``created_at``, ``expires_at``, ``lease_expires_at``, ``completed_at``).
         The default works on SQL stores with flask_idem's table; override it otherwise."""
         age_record(store, scope, seconds, *columns)
 
-    def test_first_claim_owns_the_key(self, store: Store, scope: Scope) -> None:
+
+class RequestStoreContract(_Contract):
+    """The contract of the request primitives (:class:`~flask_idem.RequestStore`); subclass it
+    (its name must start with ``Test``) with a ``store`` fixture."""
+
+    def test_first_claim_owns_the_key(self, store: RequestStore, scope: Scope) -> None:
         result = store.claim(scope, FP, ttl=3600, lease=30)
         assert result.claimed
         record = result.record
@@ -65,7 +73,9 @@ class StoreContract:
         assert 3599 <= (record.expires_at - record.created_at).total_seconds() <= 3600
         assert record.response is None
 
-    def test_second_claim_returns_the_existing_record(self, store: Store, scope: Scope) -> None:
+    def test_second_claim_returns_the_existing_record(
+        self, store: RequestStore, scope: Scope
+    ) -> None:
         first = store.claim(scope, FP, ttl=3600, lease=30)
         second = store.claim(scope, OTHER_FP, ttl=3600, lease=30)
         assert not second.claimed
@@ -75,7 +85,9 @@ class StoreContract:
         with pytest.raises(ValueError):
             second.token  # noqa: B018
 
-    def test_complete_stores_the_snapshot_for_replay(self, store: Store, scope: Scope) -> None:
+    def test_complete_stores_the_snapshot_for_replay(
+        self, store: RequestStore, scope: Scope
+    ) -> None:
         token = store.claim(scope, FP, ttl=3600, lease=30).token
         assert store.complete(scope, token, RESPONSE)
         replay = store.claim(scope, FP, ttl=3600, lease=30)
@@ -86,7 +98,7 @@ class StoreContract:
         assert not store.complete(scope, token, RESPONSE), "a completed record is final"
 
     def test_complete_keeps_binary_bodies_and_repeated_headers(
-        self, store: Store, scope: Scope
+        self, store: RequestStore, scope: Scope
     ) -> None:
         body = bytes(range(256))
         response = StoredResponse(200, (("Link", "<a>"), ("Link", "<b>")), body)
@@ -96,7 +108,7 @@ class StoreContract:
         assert record is not None and record.response == response
 
     def test_complete_without_response_marks_the_key_unstored(
-        self, store: Store, scope: Scope
+        self, store: RequestStore, scope: Scope
     ) -> None:
         token = store.claim(scope, FP, ttl=3600, lease=30).token
         assert store.complete(scope, token, None)
@@ -104,14 +116,14 @@ class StoreContract:
         assert record.state is State.UNSTORED
         assert record.response is None
 
-    def test_release_frees_the_key(self, store: Store, scope: Scope) -> None:
+    def test_release_frees_the_key(self, store: RequestStore, scope: Scope) -> None:
         token = store.claim(scope, FP, ttl=3600, lease=30).token
         assert not store.release(scope, "0" * 32), "a wrong token releases nothing"
         assert store.release(scope, token)
         assert store.get(scope) is None
         assert store.claim(scope, OTHER_FP, ttl=3600, lease=30).claimed
 
-    def test_mark_unknown_blocks_retries(self, store: Store, scope: Scope) -> None:
+    def test_mark_unknown_blocks_retries(self, store: RequestStore, scope: Scope) -> None:
         token = store.claim(scope, FP, ttl=3600, lease=30).token
         assert store.mark_unknown(scope, token)
         result = store.claim(scope, FP, ttl=3600, lease=30)
@@ -119,14 +131,14 @@ class StoreContract:
         assert result.record.state is State.UNKNOWN
         assert not store.release(scope, token), "an unknown outcome is never released by its owner"
 
-    def test_renew_extends_the_lease(self, store: Store, scope: Scope) -> None:
+    def test_renew_extends_the_lease(self, store: RequestStore, scope: Scope) -> None:
         token = store.claim(scope, FP, ttl=3600, lease=5).token
         assert store.renew(scope, token, lease=120)
         record = store.get(scope)
         assert record is not None and record.lease_remaining > 100
         assert not store.renew(scope, "0" * 32, lease=120)
 
-    def test_take_over_needs_an_expired_lease(self, store: Store, scope: Scope) -> None:
+    def test_take_over_needs_an_expired_lease(self, store: RequestStore, scope: Scope) -> None:
         token = store.claim(scope, FP, ttl=3600, lease=30).token
         assert store.take_over(scope, token, lease=30) is None
         self.age(store, scope, 31, "lease_expires_at")
@@ -138,7 +150,7 @@ class StoreContract:
         assert takeover.record.lease_remaining > 25
         assert store.take_over(scope, token, lease=30) is None, "only one takeover per lease"
 
-    def test_stale_owner_is_fenced_after_take_over(self, store: Store, scope: Scope) -> None:
+    def test_stale_owner_is_fenced_after_take_over(self, store: RequestStore, scope: Scope) -> None:
         stale = store.claim(scope, FP, ttl=3600, lease=30).token
         self.age(store, scope, 31, "lease_expires_at")
         takeover = store.take_over(scope, stale, lease=30)
@@ -151,7 +163,7 @@ class StoreContract:
         record = store.get(scope)
         assert record is not None and record.state is State.COMPLETED
 
-    def test_expired_record_never_blocks(self, store: Store, scope: Scope) -> None:
+    def test_expired_record_never_blocks(self, store: RequestStore, scope: Scope) -> None:
         token = store.claim(scope, FP, ttl=60, lease=30).token
         store.complete(scope, token, RESPONSE)
         self.age(store, scope, 61)
@@ -162,12 +174,12 @@ class StoreContract:
         record = store.get(scope)
         assert record is not None and record.state is State.IN_PROGRESS
 
-    def test_live_record_blocks_until_its_expiry(self, store: Store, scope: Scope) -> None:
+    def test_live_record_blocks_until_its_expiry(self, store: RequestStore, scope: Scope) -> None:
         store.claim(scope, FP, ttl=60, lease=30)
         self.age(store, scope, 59)
         assert not store.claim(scope, FP, ttl=60, lease=30).claimed
 
-    def test_tenants_and_endpoints_never_collide(self, store: Store) -> None:
+    def test_tenants_and_endpoints_never_collide(self, store: RequestStore) -> None:
         scopes = [
             Scope(tenant, endpoint, "same-key")
             for tenant in ("alpha", "beta")
@@ -182,13 +194,15 @@ class StoreContract:
             assert not store.complete(other, tokens[0].token, RESPONSE), "tokens are scope-bound"
             assert store.release(other, result.token)
 
-    def test_get_sees_only_the_live_record(self, store: Store, scope: Scope) -> None:
+    def test_get_sees_only_the_live_record(self, store: RequestStore, scope: Scope) -> None:
         assert store.get(scope) is None
         store.claim(scope, FP, ttl=60, lease=30)
         record = store.get(scope)
         assert record is not None and record.scope == scope
 
-    def test_complete_joins_the_business_transaction(self, store: Store, scope: Scope) -> None:
+    def test_complete_joins_the_business_transaction(
+        self, store: RequestStore, scope: Scope
+    ) -> None:
         token = store.claim(scope, FP, ttl=60, lease=30).token
         connection = store.begin()
         try:
@@ -207,6 +221,50 @@ class StoreContract:
             connection.close()
         record = store.get(scope)
         assert record is not None and record.state is State.COMPLETED
+
+    def test_writes_use_the_created_at_hint(self, store: RequestStore, scope: Scope) -> None:
+        claim = store.claim(scope, FP, ttl=600, lease=30)
+        elsewhere = claim.record.created_at.replace(year=2000)
+        assert not store.complete(scope, claim.token, RESPONSE, created_at=elsewhere)
+        assert not store.renew(scope, claim.token, lease=30, created_at=elsewhere)
+        assert store.renew(scope, claim.token, lease=30, created_at=claim.record.created_at)
+        assert store.complete(scope, claim.token, RESPONSE, created_at=claim.record.created_at)
+
+    def test_a_request_running_past_its_ttl_keeps_the_key(
+        self, store: RequestStore, scope: Scope
+    ) -> None:
+        """The TTL never frees a key whose first request still holds its lease."""
+        claim = store.claim(scope, FP, ttl=2, lease=30)
+        self.age(store, scope, 10, "created_at", "expires_at")
+        assert store.renew(
+            scope, claim.token, lease=30, created_at=claim.record.created_at - _seconds(10)
+        )
+        again = store.claim(scope, FP, ttl=2, lease=30)
+        assert not again.claimed and again.record.claim_token == claim.token
+        assert store.get(scope) is not None
+        # The TTL also counts from the end of the lease: 1 s after it the key is still taken.
+        self.age(store, scope, 31, "lease_expires_at")
+        assert not store.claim(scope, FP, ttl=2, lease=30).claimed, "a TTL after the lease's end"
+        self.age(store, scope, 2, "lease_expires_at")
+        assert store.claim(scope, FP, ttl=2, lease=30).claimed, "past TTL and lease: forgotten"
+
+
+class OperatorStoreContract(_Contract):
+    """The contract of the operator interface (:class:`~flask_idem.OperatorStore`) of a store
+    that has the request primitives too (they make the records it reads); subclass it (its
+    name must start with ``Test``) with a ``store`` fixture."""
+
+    def test_upkeep_never_removes_a_record_under_a_held_lease(
+        self, store: Store, scope: Scope
+    ) -> None:
+        """The TTL never lets upkeep purge a record whose first request still holds its lease."""
+        claim = store.claim(scope, FP, ttl=2, lease=30)
+        self.age(store, scope, 10, "created_at", "expires_at")
+        assert store.renew(
+            scope, claim.token, lease=30, created_at=claim.record.created_at - _seconds(10)
+        )
+        assert store.maintain(ahead=7).purged == 0
+        assert store.get(scope) is not None, "upkeep never removes a record under a held lease"
 
     def test_stuck_lists_expired_leases_and_unknown_outcomes_oldest_first(
         self, store: Store
@@ -249,28 +307,7 @@ class StoreContract:
         assert not store.evict(payments)
         assert store.claim(payments, FP, ttl=600, lease=30).claimed
 
-    def test_writes_use_the_created_at_hint(self, store: Store, scope: Scope) -> None:
-        claim = store.claim(scope, FP, ttl=600, lease=30)
-        elsewhere = claim.record.created_at.replace(year=2000)
-        assert not store.complete(scope, claim.token, RESPONSE, created_at=elsewhere)
-        assert not store.renew(scope, claim.token, lease=30, created_at=elsewhere)
-        assert store.renew(scope, claim.token, lease=30, created_at=claim.record.created_at)
-        assert store.complete(scope, claim.token, RESPONSE, created_at=claim.record.created_at)
 
-    def test_a_request_running_past_its_ttl_keeps_the_key(self, store: Store, scope: Scope) -> None:
-        """The TTL never frees a key whose first request still holds its lease."""
-        claim = store.claim(scope, FP, ttl=2, lease=30)
-        self.age(store, scope, 10, "created_at", "expires_at")
-        assert store.renew(
-            scope, claim.token, lease=30, created_at=claim.record.created_at - _seconds(10)
-        )
-        again = store.claim(scope, FP, ttl=2, lease=30)
-        assert not again.claimed and again.record.claim_token == claim.token
-        assert store.get(scope) is not None
-        assert store.maintain(ahead=7).purged == 0
-        assert store.get(scope) is not None, "upkeep never removes a record under a held lease"
-        # The TTL also counts from the end of the lease: 1 s after it the key is still taken.
-        self.age(store, scope, 31, "lease_expires_at")
-        assert not store.claim(scope, FP, ttl=2, lease=30).claimed, "a TTL after the lease's end"
-        self.age(store, scope, 2, "lease_expires_at")
-        assert store.claim(scope, FP, ttl=2, lease=30).claimed, "past TTL and lease: forgotten"
+class StoreContract(RequestStoreContract, OperatorStoreContract):
+    """The whole contract of a :class:`~flask_idem.Store` (both interfaces); subclass it (its
+    name must start with ``Test``) with a ``store`` fixture."""

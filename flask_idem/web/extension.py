@@ -21,6 +21,7 @@ from flask import (
     request,
 )
 from flask.typing import ResponseReturnValue
+from typing_extensions import Unpack
 from werkzeug.exceptions import InternalServerError
 
 from .. import jobs
@@ -32,21 +33,19 @@ from ..core.idempotency_keys import derive_key
 from ..core.options import (
     EXEMPT,
     OPTIONS_ATTRIBUTE,
-    FingerprintFunction,
+    BlueprintOptionArgs,
     JobArgument,
+    JobOptionArgs,
     JobOptions,
-    KeyFunction,
-    Recovery,
-    ReplayFunction,
+    ViewOptionArgs,
     ViewOptions,
-    release_option,
 )
 from ..core.sealing import Sealer
 from ..lease import LeaseKeeper
 from ..sessions import EXTENSION_KEY as SQLALCHEMY_EXTENSION
 from ..sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
 from ..state import EXTENSION_NAME, AppState, RequestState
-from ..store import Store, create_store
+from ..store import RequestStore, Store, create_store, operator_store
 from . import flow
 
 if t.TYPE_CHECKING:
@@ -65,7 +64,10 @@ class Idempotency:
 
     :param app: the application, or None to call :meth:`init_app` later.
     :param store: a ready store; by default one is built from ``IDEMPOTENCY_ENGINE`` or
-        ``IDEMPOTENCY_DATABASE_URL``.
+        ``IDEMPOTENCY_DATABASE_URL``. A store with the request primitives only
+        (:class:`~flask_idem.store.RequestStore`) needs ``IDEMPOTENCY_BLUEPRINT_PREFIX = None``:
+        the inspection endpoint, ``flask idem`` and the other operator tools read records
+        through :class:`~flask_idem.store.OperatorStore`.
     :param tenant: a callable returning the authenticated tenant of the current request
         (for example from ``flask.g``); see also :meth:`tenant_resolver`.
     :param db: the application's Flask-SQLAlchemy ``SQLAlchemy``: the store runs on its
@@ -87,7 +89,7 @@ class Idempotency:
         self,
         app: Flask | None = None,
         *,
-        store: Store | None = None,
+        store: RequestStore | None = None,
         tenant: t.Callable[[], str | None] | None = None,
         db: t.Any = None,
         bind_key: str | None = None,
@@ -131,12 +133,20 @@ class Idempotency:
         store = self._store or (
             create_store(sessions.engine(app)) if sessions else self._build_store(settings)
         )
+        if settings.blueprint_prefix is not None:
+            # Refused before anything is registered: the endpoint and its page read records.
+            operator_store(
+                store,
+                "the inspection endpoint (IDEMPOTENCY_BLUEPRINT_PREFIX = None switches it off)",
+            )
         store.use_sealer(Sealer.from_settings(settings))
         store.use_audit(settings.audit, settings.audit_retention)
         store.use_archive(settings.archive)
         guard_commits(store.engine)
         if settings.ensure_partitions and settings.enabled:
-            _ensure_partitions(store, settings.partitions_ahead)
+            _ensure_partitions(
+                operator_store(store, "IDEMPOTENCY_ENSURE_PARTITIONS"), settings.partitions_ahead
+            )
         app.extensions[EXTENSION_NAME] = AppState(
             self,
             settings,
@@ -308,12 +318,7 @@ class Idempotency:
         *,
         key: JobArgument,
         tenant: JobArgument,
-        ttl: float | None = None,
-        lease: float | None = None,
-        recovery: Recovery = "fail",
-        release_before_contact: bool = False,
-        declares_effects: bool | None = None,
-        fingerprint: t.Callable[..., bytes | str] | None = None,
+        **options: Unpack[JobOptionArgs],
     ) -> t.Callable[[t.Callable[P, R]], t.Callable[P, R]]:
         """Give a worker function the outcome model of a view (see :mod:`flask_idem.jobs`).
 
@@ -335,120 +340,34 @@ class Idempotency:
             such as an order id, or the message id), or a callable taking the job's arguments.
             Validated like a header key.
         :param tenant: whose operation it is, spelled like ``key``; never a global namespace.
-        :param ttl: seconds the key stays live (default ``IDEMPOTENCY_TTL``): longer than the
-            queue's longest redelivery delay.
-        :param lease: seconds before a worker that stopped renewing counts as gone (default
-            ``IDEMPOTENCY_LEASE``); renewed every third of it while the job runs.
-        :param recovery: as for :meth:`idempotent`.
-        :param release_before_contact: as for :meth:`idempotent`.
-        :param declares_effects: the former name of ``release_before_contact`` (deprecated).
-        :param fingerprint: ``(*args, **kwargs) -> bytes | str`` replacing the JSON of the
-            arguments, which a redelivery must repeat (else ``JobKeyReused``).
+        :param options: ``ttl``, ``lease``, ``recovery``, ``release_before_contact``,
+            ``fingerprint``: see :class:`~flask_idem.core.options.JobOptionArgs`.
         """
-        return jobs.job(
-            JobOptions(
-                name,
-                key,
-                tenant,
-                ttl=ttl,
-                lease=lease,
-                recovery=recovery,
-                release_before_contact=release_option(release_before_contact, declares_effects),
-                fingerprint=fingerprint,
-            )
-        )
+        return jobs.job(JobOptions.build(name, key, tenant, options))
 
     @t.overload
     def idempotent(self, view: t.Callable[P, R]) -> t.Callable[P, R]: ...
 
     @t.overload
     def idempotent(
-        self,
-        view: None = None,
-        *,
-        ttl: float | None = None,
-        required: bool | None = None,
-        exclude: t.Iterable[str] = (),
-        include: t.Iterable[str] | None = None,
-        fingerprint: FingerprintFunction | None = None,
-        recovery: Recovery = "fail",
-        release_before_contact: bool = False,
-        declares_effects: bool | None = None,
-        atomic: bool = False,
-        replay: ReplayFunction | None = None,
-        key: KeyFunction | None = None,
+        self, view: None = None, **options: Unpack[ViewOptionArgs]
     ) -> t.Callable[[t.Callable[P, R]], t.Callable[P, R]]: ...
 
     def idempotent(
-        self,
-        view: t.Callable[P, R] | None = None,
-        *,
-        ttl: float | None = None,
-        required: bool | None = None,
-        exclude: t.Iterable[str] = (),
-        include: t.Iterable[str] | None = None,
-        fingerprint: FingerprintFunction | None = None,
-        recovery: Recovery = "fail",
-        release_before_contact: bool = False,
-        declares_effects: bool | None = None,
-        atomic: bool = False,
-        replay: ReplayFunction | None = None,
-        key: KeyFunction | None = None,
+        self, view: t.Callable[P, R] | None = None, **options: Unpack[ViewOptionArgs]
     ) -> t.Any:
         """Protect a view. The claim runs when the view is called, after every decorator
         placed above this one (put authorization there, or in a ``before_request`` hook).
 
-        :param ttl: seconds a key stays live for this view (default ``IDEMPOTENCY_TTL``),
-            counted from the claim and again from the end of the request.
-        :param required: whether a request without a key is refused with 400 (default
-            ``IDEMPOTENCY_KEY_REQUIRED``); an optional key that is absent means no protection.
-        :param exclude: top-level body fields left out of the fingerprint (volatile ones).
-        :param include: if given, the only top-level body fields in the fingerprint.
-        :param fingerprint: a callable ``(request) -> bytes | str`` replacing the canonical
-            body and query comparison.
-        :param recovery: what a retry does when the outcome of the first attempt is unknown
-            (it failed after contact with the outside world, or its lease ran out): ``fail``
-            (409 ``outcome-pending`` until reconciled) or ``reexecute`` (run the view again as
-            the same operation, with the same downstream keys; for views whose external
-            calls deduplicate on them).
-        :param release_before_contact: a failure before the view's first
-            :meth:`downstream_key` or :meth:`side_effect` gives the key back for a fresh
-            execution (the view promises to call one of them before any contact with the
-            outside world). Without it every failure leaves the key ``unknown``, unless the
-            view answers through :meth:`refuse`.
-        :param declares_effects: the former name of ``release_before_contact`` (deprecated).
-        :param atomic: claim inside the view's business transaction (``idem.connection()``):
-            the claim, the business rows and the stored response commit once, a failure rolls
-            all of it back (the key is free again), and no lease is kept; a concurrent
-            duplicate still gets 409 at once. Only for views whose effects are all in the
-            database: ``downstream_key()`` and ``side_effect()`` are refused.
-        :param replay: a callable ``(stored response) -> response`` building the answer to a
-            retry, for responses that must not be replayed verbatim (short-lived signed URLs,
-            one-time tokens).
-        :param key: a callable ``(request) -> str`` taking the key from the request itself,
-            for senders that assign one per operation (a webhook's event id:
-            ``key=lambda request: request.get_json()["id"]``); the header is then ignored. A
-            request it finds no key in (it returns None or raises) is refused with 400
-            ``idempotency-key-missing``, an invalid key with 400 ``idempotency-key-invalid``,
-            both before any claim. Verify signatures before the claim (a ``before_request``
-            hook or a decorator above this one).
+        :param options: ``ttl``, ``required``, ``exclude``, ``include``, ``fingerprint``,
+            ``recovery``, ``release_before_contact``, ``atomic``, ``replay``, ``key``: see
+            :class:`~flask_idem.core.options.ViewOptionArgs`.
         """
-        options = ViewOptions.build(
-            ttl=ttl,
-            required=required,
-            exclude=exclude,
-            include=include,
-            fingerprint=fingerprint,
-            recovery=recovery,
-            release_before_contact=release_option(release_before_contact, declares_effects),
-            atomic=atomic,
-            replay=replay,
-            key=key,
-        )
+        declared = ViewOptions.build("Idempotency.idempotent", ViewOptionArgs, options)
 
         def decorate(function: t.Callable[P, R]) -> t.Callable[P, R]:
-            guarded = flow.guard(function, options)
-            setattr(guarded, OPTIONS_ATTRIBUTE, options)
+            guarded = flow.guard(function, declared)
+            setattr(guarded, OPTIONS_ATTRIBUTE, declared)
             return guarded
 
         return decorate(view) if view is not None else decorate
@@ -459,21 +378,10 @@ class Idempotency:
         return view
 
     def protect_blueprint(
-        self,
-        blueprint: Blueprint,
-        *,
-        ttl: float | None = None,
-        required: bool | None = None,
-        exclude: t.Iterable[str] = (),
-        include: t.Iterable[str] | None = None,
-        fingerprint: FingerprintFunction | None = None,
-        recovery: Recovery = "fail",
-        release_before_contact: bool = False,
-        declares_effects: bool | None = None,
-        atomic: bool = False,
-        replay: ReplayFunction | None = None,
+        self, blueprint: Blueprint, **options: Unpack[BlueprintOptionArgs]
     ) -> None:
-        """Protect every view of ``blueprint`` (same options as :meth:`idempotent`).
+        """Protect every view of ``blueprint`` (the options of :meth:`idempotent` but ``key``:
+        see :class:`~flask_idem.core.options.BlueprintOptionArgs`).
 
         The claim runs when a view is dispatched, after the app's and the blueprint's
         ``before_request`` hooks but before any decorator on the view itself: authorization
@@ -481,15 +389,7 @@ class Idempotency:
         the authorization decorator.
         """
         self._blueprints[blueprint] = ViewOptions.build(
-            ttl=ttl,
-            required=required,
-            exclude=exclude,
-            include=include,
-            fingerprint=fingerprint,
-            recovery=recovery,
-            release_before_contact=release_option(release_before_contact, declares_effects),
-            atomic=atomic,
-            replay=replay,
+            "Idempotency.protect_blueprint", BlueprintOptionArgs, options
         )
 
     def options_for(

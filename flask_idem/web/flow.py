@@ -119,9 +119,9 @@ from ..core.problem import (
     ResponseNotStored,
     StoreUnavailableProblem,
     TenantUnresolved,
+    unreadable_problem,
 )
 from ..core.record import STORABLE_STATUSES, ClaimResult, Record, Scope, StoredResponse
-from ..core.sealing import unreadable_problem
 from ..core.snapshot import response_snapshot
 from ..sessions import has_unmanaged_writes
 from ..state import AppState, RequestState

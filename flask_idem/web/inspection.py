@@ -48,6 +48,7 @@ from ..core.problem import (
 )
 from ..core.serialization import request_schema
 from ..state import AppState
+from ..store import operator_store
 
 if t.TYPE_CHECKING:
     from .extension import Idempotency
@@ -77,7 +78,7 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
             scope_key = _key(None, state.settings.headers)
             endpoint = _endpoint(request.args.get("endpoint"))
         try:
-            records = state.store.find(
+            records = operator_store(state.store, "the inspection endpoint").find(
                 tenant, scope_key, None if endpoint is None else _record_endpoint(endpoint)
             )
         except StoreUnavailable:

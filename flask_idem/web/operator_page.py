@@ -33,6 +33,7 @@ from ..core.idempotency_keys import InvalidKey, key_hash, normalize
 from ..core.problem import InternalError
 from ..core.serialization import record_schema
 from ..state import AppState
+from ..store import Store, operator_store
 
 if t.TYPE_CHECKING:
     from .extension import Idempotency
@@ -107,21 +108,22 @@ def register(blueprint: Blueprint, extension: Idempotency) -> None:
                 "The operator page's authorization is misconfigured; see the server log."
             ).get_response()
         state = AppState.current()
+        store = operator_store(state.store, "the operator page")
         context: dict[str, t.Any] = {
             "tenants": sorted(tenants) if tenants is not None else None,
-            "audit": state.store.audit,
+            "audit": store.audit,
             "bodies": state.settings.inspect_bodies,
             "lookup": None,
             "error": None,
         }
         try:
-            stuck = state.store.stuck(limit=LIST_LIMIT, tenants=tenants)
+            stuck = store.stuck(limit=LIST_LIMIT, tenants=tenants)
             context["stuck"] = [
                 record_schema(bodies=False, keys=False).dump(record) for record in stuck
             ]
             context["stuck_limited"] = len(stuck) == LIST_LIMIT
             if request.method == "POST":
-                context["lookup"] = _lookup(state, tenants)
+                context["lookup"] = _lookup(state, store, tenants)
         except StoreUnavailable:
             context["stuck"], context["error"] = [], "The store cannot be reached; try again."
             return render_template("flask_idem/operator.html", **context), 503, _HEADERS
@@ -135,7 +137,7 @@ class _BadLookup(Exception):
     """The lookup form was filled in wrongly; the message is shown."""
 
 
-def _lookup(state: AppState, tenants: frozenset[str] | None) -> dict[str, t.Any]:
+def _lookup(state: AppState, store: Store, tenants: frozenset[str] | None) -> dict[str, t.Any]:
     form = request.form
     tenant = (form.get("tenant") or "").strip()
     if tenants is not None and len(tenants) == 1 and not tenant:
@@ -154,9 +156,9 @@ def _lookup(state: AppState, tenants: frozenset[str] | None) -> dict[str, t.Any]
         key = normalize(form.get("key") or "")
     except InvalidKey as exc:
         raise _BadLookup(str(exc)) from None
-    records = state.store.find(tenant, key)
+    records = store.find(tenant, key)
     schema = record_schema(bodies=state.settings.inspect_bodies, keys=False, many=True)
-    timeline = state.store.history(tenant, key) if state.store.audit else []
+    timeline = store.history(tenant, key) if store.audit else []
     return {
         "tenant": tenant,
         "records": schema.dump(records),
