@@ -1,4 +1,4 @@
-"""A protected request's body is read whole and bounded before anything is claimed (issue 11).
+"""A protected request's body is read whole and bounded before anything is claimed.
 
 In-process, with WSGI environments shaped like gunicorn's (``wsgi.input_terminated``, a short
 read for a cut ``Content-Length`` body, an ``IOError`` for broken chunking); the same faults

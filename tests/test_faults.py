@@ -308,7 +308,7 @@ def test_statements_timing_out_in_flight_keep_keys_out_of_the_server_log(
     cluster: pgcluster.Cluster, database: str, server: SampleServer
 ) -> None:
     """A table lock makes every claim time out (lock_timeout) while requests wait; PostgreSQL
-    logs each error, but never the statement, so never the key (issue 11, item 2)."""
+    logs each error, but never the statement, so never the key."""
     # The proof that the log would show it: a session without flask_idem's settings.
     marker = new_key()
     plain = psycopg2.connect(database)

@@ -1,4 +1,4 @@
-"""The sample app's HTTP contract (issue 4), checked black-box against gunicorn and PostgreSQL.
+"""The sample app's HTTP contract, exact statuses and bodies, against gunicorn and PostgreSQL.
 
 Four servers, each started once per module: ``main`` (fast provider, 2 workers x 4 threads),
 ``slow`` (a provider taking 3 s and a 3 s lease: in-flight duplicates and a killed worker),
