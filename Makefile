@@ -9,7 +9,7 @@ DEV_DATABASE_URL := sqlite:///$(CURDIR)/instance/flask_idem.sqlite3
 PORT ?= 5000
 WITH_DATABASE_URL = DATABASE_URL="$${DATABASE_URL:-$(DEV_DATABASE_URL)}"
 
-.PHONY: install test docs run migrate pg-start pg-stop lint bench bench-quick clean
+.PHONY: install test test-unit docs run migrate pg-start pg-stop lint bench bench-quick clean
 
 install: $(STAMP)
 
@@ -32,8 +32,13 @@ run: migrate
 # Without DATABASE_URL the test session starts (and always stops) its own cluster under .pg/;
 # with it, the tests run in a fresh database on that server.
 test: install
-	@$(BIN)/python -m tests.pgcluster check
+	@$(BIN)/python -m tests.support.pgcluster check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The tier that needs no database, no server and no process (tests/unit): under a minute, also
+# where PostgreSQL is missing (its conftest refuses the database fixtures).
+test-unit: install
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # The documentation site (Sphinx, furo, MyST) under docs/_build/html; warnings are errors. It
 # needs no network: intersphinx reads local inventories (DOCS_INTERSPHINX=online fetches them).
@@ -41,10 +46,10 @@ docs: install
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
 pg-start: install
-	@$(BIN)/python -m tests.pgcluster start dev
+	@$(BIN)/python -m tests.support.pgcluster start dev
 
 pg-stop:
-	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m tests.pgcluster stop dev
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m tests.support.pgcluster stop dev
 
 lint: install
 	$(BIN)/ruff check .

@@ -111,11 +111,12 @@ class Page:
         return path
 
     def redis(self) -> str:
-        """The URL of a throwaway Redis server (``tests/redis_server.py``) until the page ends.
+        """The URL of a throwaway Redis server (``tests/support/redis_server.py``) until the page
+        ends.
 
         Without one (no ``redis-server``, not root) the rest of the page skips, or fails under
         ``FLASK_IDEM_REQUIRE_REDIS=1`` (CI)."""
-        from tests import debian, redis_server
+        from tests.support import debian, redis_server
 
         server = redis_server.RedisServer()
         try:

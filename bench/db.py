@@ -17,7 +17,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from tests import pgcluster
+from tests.support import pgcluster
 
 from .apps import database_url
 

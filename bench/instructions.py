@@ -31,7 +31,7 @@ import uuid
 import sqlalchemy as sa
 
 from flask_idem.ops.migrate import upgrade
-from tests import pgcluster
+from tests.support import pgcluster
 
 from . import apps
 from .load import BODY

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.pgcluster import free_port
+from tests.support.pgcluster import free_port
 
 from . import load
 from .apps import FLUSH_PATH, HEALTH_PATH

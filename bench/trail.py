@@ -23,7 +23,7 @@ from pathlib import Path
 from flask_idem import Scope, StoredResponse
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
-from tests.conftest import count_statements
+from tests.support.helpers import count_statements
 
 from .db import Server
 from .runner import machine

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import typing as t
 from pathlib import Path
 
 import flask
 import pytest
-import sqlalchemy as sa
 from flask import Flask
 
 from flask_idem import Idempotency, Scope
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
-from flask_idem.testing import age_record, empty_store
+from flask_idem.testing import empty_store
 
-from . import citus_cluster, debian, fsa_app, pgcluster, redis_server
+from .support import citus_cluster, debian, fsa_app, pgcluster, redis_server
+from .support.helpers import Counter
 
 DIALECTS = ("postgresql", "sqlite")
 
@@ -173,38 +171,6 @@ def scope(request: pytest.FixtureRequest) -> Scope:
     return Scope("tenant-a", "POST /v1/payments", f"key-{request.node.name}"[:255])
 
 
-#: Move the scope's record into the past (SQL, never sleep: the store reads the database clock).
-shift = age_record
-
-
-@contextlib.contextmanager
-def count_statements(engine: sa.Engine) -> t.Iterator[list[str]]:
-    """Collect every SQL statement the engine sends while the block runs."""
-    seen: list[str] = []
-
-    def record(_conn: t.Any, _cursor: t.Any, statement: str, *_args: t.Any) -> None:
-        seen.append(statement)
-
-    sa.event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        sa.event.remove(engine, "before_cursor_execute", record)
-
-
-class Counter:
-    """Counts view executions: the property every idempotency test is about."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.lock = threading.Lock()
-
-    def bump(self) -> int:
-        with self.lock:
-            self.calls += 1
-            return self.calls
-
-
 @pytest.fixture
 def app_factory(store: SQLStore) -> t.Callable[..., tuple[Flask, Idempotency, Counter]]:
     """Build a small payments app on the store's database with any ``IDEMPOTENCY_*`` config."""
@@ -257,7 +223,8 @@ def app_factory(store: SQLStore) -> t.Callable[..., tuple[Flask, Idempotency, Co
 
 @pytest.fixture
 def fsa_apps() -> t.Iterator[list[Flask]]:
-    """Flask-SQLAlchemy applications a test builds (``tests/fsa_app.py``), discarded after it."""
+    """Flask-SQLAlchemy applications a test builds (``tests/support/fsa_app.py``), discarded
+    after it."""
     made: list[Flask] = []
     yield made
     for app in made:

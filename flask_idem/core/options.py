@@ -6,7 +6,7 @@ decorators take ``**options: Unpack[...]`` of it, so a type checker checks their
 they refuse other keywords at run time), and its comment is the option's documentation. The
 frozen dataclasses (:class:`ViewOptions`, :class:`JobOptions`, sharing :class:`OutcomeOptions`)
 hold the validated values with their defaults; they restate the names only because a type
-checker reads attributes from a class, not from a ``TypedDict`` (tests/test_options.py keeps
+checker reads attributes from a class, not from a ``TypedDict`` (tests/unit/test_options.py keeps
 the two equal).
 """
 

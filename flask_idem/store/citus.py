@@ -12,8 +12,8 @@
 
 The partition upkeep functions stay on the coordinator: they run DDL, which Citus propagates
 from there. Every other statement of the store is a single-tenant query (the ``tenant``
-equality comes first in its ``WHERE``), which Citus routes to one shard; ``tests/test_citus.py``
-checks that on plain PostgreSQL. See ``docs/citus.md``.
+equality comes first in its ``WHERE``), which Citus routes to one shard;
+``tests/store/test_citus.py`` checks that on plain PostgreSQL. See ``docs/citus.md``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ copy of the head texts here would be a second source that could drift from what 
 install; reading them back from the head revision files would make the expectation follow
 whatever a new revision installs, so a function changed under the store's calls would pass
 unnoticed. A digest is one fact per function that no migration can move: a revision that
-changes a function fails ``tests/test_installed_functions.py`` until its entry here is updated
+changes a function fails ``tests/store/test_installed_functions.py`` until its entry here is updated
 (the failure prints the new digest), which is when to check that the store's calls still fit.
 ``flask idem check`` compares a live database with the same entries.
 

@@ -46,7 +46,7 @@ Citus
     The atomic claim, which Citus does not delegate inside a transaction block, takes its lock
     again on the tenant's worker (migration 0009), so that claims through any node exclude
     each other. Every other statement is a single-tenant one Citus routes to one shard, and
-    none returns a non-immutable expression (``tests/test_citus.py`` checks both). See
+    none returns a non-immutable expression (``tests/store/test_citus.py`` checks both). See
     ``docs/citus.md``.
 
 Partitions

@@ -1,0 +1,205 @@
+"""Flask-SQLAlchemy sessions as the business transaction, in both claim modes, both databases."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import typing as t
+
+import flask
+import pytest
+import sqlalchemy as sa
+from flask import Flask
+
+from flask_idem import ConfigurationError, Idempotency
+from flask_idem.store import create_engine
+from flask_idem.testing import assert_ran_once, count_runs
+from tests.support import orm_app
+
+MODES = ("durable", "atomic")
+
+
+@pytest.fixture
+def orm(db_url: str) -> t.Iterator[tuple[Flask, Idempotency]]:
+    app, idem = orm_app.create_app(db_url)
+    yield app, idem
+    with app.app_context():
+        orm_app.db.drop_all()
+        with orm_app.db.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM idempotency_keys")
+        orm_app.db.engine.dispose()
+
+
+def _payments(app: Flask) -> list[str]:
+    with app.app_context():
+        return list(orm_app.db.session.scalars(sa.select(orm_app.Payment.idem_key)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_session_writes_commit_with_the_stored_response(
+    orm: tuple[Flask, Idempotency], mode: str
+) -> None:
+    app, idem = orm
+    assert app.extensions["idempotency"].store.engine is _engine(app), "the app's engine"
+    responses = assert_ran_once(app.test_client(), f"/{mode}", json={"amount": 100}, key="k1")
+    assert responses[0].status_code == 201
+    assert _payments(app) == ["k1"]
+
+
+def _engine(app: Flask) -> sa.Engine:
+    with app.app_context():
+        return t.cast(sa.Engine, orm_app.db.engine)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failure_after_the_flush_rolls_the_rows_back(
+    orm: tuple[Flask, Idempotency], mode: str
+) -> None:
+    app, _ = orm
+    client = app.test_client()
+    with count_runs(app) as runs:
+        failed = client.post(f"/{mode}", json={"amount": 13}, headers={"Idempotency-Key": "k"})
+        again = client.post(f"/{mode}", json={"amount": 13}, headers={"Idempotency-Key": "k"})
+    assert failed.status_code == 500 and _payments(app) == []
+    if mode == "atomic":
+        assert again.status_code == 500 and runs.count == 2, "rolled back: the key is free"
+    else:
+        assert again.status_code == 409, "durable: unknown outcome, never run again"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_view_committing_the_session_itself_is_refused(
+    orm: tuple[Flask, Idempotency], mode: str
+) -> None:
+    app, _ = orm
+    reply = app.test_client().post(f"/{mode}", json={"amount": 7}, headers={"Idempotency-Key": "c"})
+    assert reply.status_code == 500
+    assert _payments(app) == [], "nothing committed before its stored response"
+
+
+def test_a_never_stored_status_after_orm_writes_gives_the_key_back_at_once(
+    orm: tuple[Flask, Idempotency],
+) -> None:
+    """The session's own transaction (SQLite's write lock) is rolled back before the key is
+    given back: never a 5 s wait on its own lock and a key left in progress."""
+    app, _ = orm
+    client = app.test_client()
+    started = time.monotonic()
+    with count_runs(app) as runs:
+        first = client.post("/busy", headers={"Idempotency-Key": "b"})
+        again = client.post("/busy", headers={"Idempotency-Key": "b"})
+    assert time.monotonic() - started < 3
+    assert (first.status_code, again.status_code, runs.count) == (503, 503, 2), "released"
+    assert _payments(app) == []
+    with _engine(app).connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar() == 0
+
+
+def test_a_released_savepoint_is_no_commit_of_the_view(orm: tuple[Flask, Idempotency]) -> None:
+    app, _ = orm
+    client = app.test_client()
+    assert client.post("/nested", headers={"Idempotency-Key": "n"}).status_code == 201
+    assert (
+        client.post("/nested", headers={"Idempotency-Key": "n"}).headers["Idempotent-Replayed"]
+        == "true"
+    )
+    assert _payments(app) == ["n"]
+
+
+def test_db_must_be_registered_first(db_url: str) -> None:
+    from flask_sqlalchemy import SQLAlchemy
+
+    app = Flask("order")
+    with pytest.raises(ConfigurationError, match="db.init_app"):
+        Idempotency(app, db=SQLAlchemy())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_kill_9_leaves_both_or_neither(db_url: str, mode: str) -> None:
+    """A worker killed at random points: every payment row has its stored response and every
+    stored response its payment row."""
+    app, _ = orm_app.create_app(db_url)  # creates the table for the child processes
+    prefix = f"kill-{mode}"
+    try:
+        for round_ in range(6):
+            child = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.orm_app", db_url, mode, f"{prefix}{round_}"],
+                stdout=subprocess.PIPE,
+                env={**os.environ, "PYTHONPATH": os.getcwd()},
+            )
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+            time.sleep(random.uniform(0.05, 0.4))
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+            child.stdout.close()
+        engine = create_engine(db_url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    sa.text("SELECT idem_key FROM orm_payments WHERE idem_key LIKE :p"),
+                    {"p": f"{prefix}%"},
+                ).scalars()
+                paid = list(rows)
+                stored = set(
+                    conn.execute(
+                        sa.text(
+                            "SELECT key FROM idempotency_keys WHERE state = 'completed' "
+                            "AND key LIKE :p"
+                        ),
+                        {"p": f"{prefix}%"},
+                    ).scalars()
+                )
+        finally:
+            engine.dispose()
+        assert len(paid) == len(set(paid)), "one payment per key"
+        assert set(paid) == stored, "a payment row exactly when its response is stored"
+        assert len(stored) > 0, "the workers got some requests through"
+    finally:
+        with app.app_context():
+            orm_app.db.drop_all()
+            with orm_app.db.engine.begin() as conn:
+                conn.exec_driver_sql("DELETE FROM idempotency_keys")
+            orm_app.db.engine.dispose()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_job_inside_a_protected_view_is_refused(
+    orm: tuple[Flask, Idempotency], mode: str
+) -> None:
+    """The job would share ``db.session`` with the view: its commit would publish the view's
+    payment without its record (and free an atomic view's key), so a retry would charge again.
+    Refused loudly instead; nothing commits, and the key is not completed."""
+    app, idem = orm
+    receipts: list[str] = []
+
+    @idem.job("receipt", key="order", tenant=lambda order: "alpha")
+    def receipt(order: str) -> str:
+        receipts.append(order)
+        return order
+
+    @app.post(f"/with-job-{mode}")
+    @idem.idempotent(atomic=mode == "atomic")
+    def with_job() -> t.Any:
+        key = flask.request.headers["Idempotency-Key"]
+        orm_app.db.session.add(orm_app.Payment(idem_key=key, amount=5))
+        orm_app.db.session.flush()
+        receipt(key)
+        return {"ok": True}, 201
+
+    client = app.test_client()
+    with count_runs(app) as runs:
+        first = client.post(f"/with-job-{mode}", headers={"Idempotency-Key": "j"})
+        again = client.post(f"/with-job-{mode}", headers={"Idempotency-Key": "j"})
+    assert first.status_code == 500 and receipts == []
+    assert _payments(app) == [], "the view's payment never committed"
+    if mode == "atomic":
+        assert again.status_code == 500 and runs.count == 2, "rolled back: the key is free"
+    else:
+        assert again.status_code == 409, "durable: unknown outcome, never run again"
+    with app.app_context():
+        assert receipt("outside") == "outside", "outside a protected request the job runs"

@@ -1,0 +1,213 @@
+"""The store contract (:mod:`flask_idem.testing.contract`) on PostgreSQL and SQLite, and what
+only SQL stores promise: the database clock, failures as ``StoreUnavailable``, round trips."""
+
+from __future__ import annotations
+
+import io
+import typing as t
+
+import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
+import pytest
+import sqlalchemy as sa
+
+from flask_idem import Scope, State, StoredResponse, StoreUnavailable, create_store
+from flask_idem.store import SQLStore, create_engine, normalize_url
+from flask_idem.testing.contract import FP, RESPONSE, StoreContract
+from tests.support.drivers import db_url_on_each_driver  # noqa: F401 (the store contract on both drivers)
+from tests.support.helpers import count_statements
+
+
+class TestSQLStores(StoreContract):
+    """The exported contract, on each dialect (``store`` comes from conftest)."""
+
+
+def test_times_come_from_the_database_clock(store: SQLStore, scope: Scope) -> None:
+    record = store.claim(scope, FP, ttl=60, lease=30).record
+    with store.engine.connect() as conn:
+        if store.dialect == "postgresql":
+            db_now = conn.execute(sa.text("SELECT now()")).scalar_one()
+        else:
+            db_now = conn.execute(sa.text("SELECT datetime('now')")).scalar_one()
+    assert abs((record.now - record.created_at).total_seconds()) < 1
+    assert str(db_now)[:13] == record.now.strftime("%Y-%m-%d %H")[:13]
+
+
+def test_unreachable_database_raises_store_unavailable(db_url: str, scope: Scope) -> None:
+    if db_url.startswith("sqlite"):
+        broken = create_store("sqlite:////nonexistent-dir/for/sure/idem.sqlite3")
+    else:
+        broken = create_store("postgresql://nobody@127.0.0.1:1/none")
+    for call in (
+        lambda: broken.claim(scope, FP, ttl=60, lease=30),
+        lambda: broken.get(scope),
+        lambda: broken.complete(scope, "0" * 32, RESPONSE),
+        lambda: broken.release(scope, "0" * 32),
+        lambda: broken.maintain(ahead=1),
+    ):
+        with pytest.raises(StoreUnavailable):
+            call()
+    broken.engine.dispose()
+
+
+def test_a_value_the_completion_cannot_bind_fails_closed(store: SQLStore, scope: Scope) -> None:
+    # The completion is sent precompiled: a bind processor's failure (a header value JSON
+    # cannot encode) is a store failure, as through SQLAlchemy's own execution, and the
+    # record stays in progress, never half written.
+    token = store.claim(scope, FP, ttl=60, lease=30).token
+    unencodable = StoredResponse(201, (("Location", object()),), b"{}")  # type: ignore[arg-type]
+    with pytest.raises(StoreUnavailable):
+        store.complete(scope, token, unencodable)
+    assert store.get(scope).state is State.IN_PROGRESS  # type: ignore[union-attr]
+    assert store.complete(scope, token, RESPONSE)
+
+
+def test_missing_schema_raises_store_unavailable(tmp_path: object, scope: Scope) -> None:
+    empty = create_store(f"sqlite:///{tmp_path}/empty.sqlite3")
+    with pytest.raises(StoreUnavailable):
+        empty.claim(scope, FP, ttl=60, lease=30)
+    empty.engine.dispose()
+
+
+class TestRoundTrips:
+    """The SQL budget on PostgreSQL, counted at the driver (every statement is a round trip)."""
+
+    def test_claim_is_one_statement_new_or_existing(self, pg_store: SQLStore, scope: Scope) -> None:
+        with count_statements(pg_store.engine) as new:
+            token = pg_store.claim(scope, FP, ttl=60, lease=30).token
+        with count_statements(pg_store.engine) as existing:
+            pg_store.claim(scope, FP, ttl=60, lease=30)
+        assert len(new) == 1, new
+        assert len(existing) == 1, existing
+        with count_statements(pg_store.engine) as complete:
+            pg_store.complete(scope, token, RESPONSE)
+        assert len(complete) == 1, complete
+        with count_statements(pg_store.engine) as replay:
+            assert pg_store.claim(scope, FP, ttl=60, lease=30).record.response == RESPONSE
+        assert len(replay) == 1, replay
+
+    def test_release_is_one_statement(self, pg_store: SQLStore, scope: Scope) -> None:
+        token = pg_store.claim(scope, FP, ttl=60, lease=30).token
+        with count_statements(pg_store.engine) as seen:
+            assert pg_store.release(scope, token)
+        assert len(seen) == 1, seen
+
+    def test_primitives_send_no_begin_or_commit(self, pg_store: SQLStore, scope: Scope) -> None:
+        # psycopg2 sends BEGIN before, and the pool COMMIT after, any statement that runs
+        # outside autocommit: each would be another round trip.
+        modes: list[bool] = []
+
+        def record(conn: sa.Connection, *_args: object) -> None:
+            modes.append(conn.connection.dbapi_connection.autocommit)  # type: ignore[union-attr]
+
+        sa.event.listen(pg_store.engine, "before_cursor_execute", record)
+        try:
+            token = pg_store.claim(scope, FP, ttl=60, lease=30).token
+            pg_store.renew(scope, token, lease=30)
+            pg_store.complete(scope, token, RESPONSE)
+            pg_store.claim(scope, FP, ttl=60, lease=30)
+        finally:
+            sa.event.remove(pg_store.engine, "before_cursor_execute", record)
+        assert modes == [True, True, True, True]
+
+
+def test_errors_never_carry_keys_or_tokens(db_url: str, scope: Scope) -> None:
+    store = create_store(db_url)
+    try:
+        token = store.claim(scope, FP, ttl=60, lease=30).token
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DROP TABLE IF EXISTS idem_scratch")
+        failing = sa.text("SELECT * FROM idem_scratch WHERE key = :key AND token = :token")
+        with pytest.raises(sa.exc.SQLAlchemyError) as info, store.engine.connect() as conn:
+            conn.execute(failing, {"key": scope.key, "token": token})
+        assert scope.key not in str(info.value) and token not in str(info.value)
+    finally:
+        store.engine.dispose()
+
+
+def test_a_silent_database_fails_within_seconds(scope: Scope) -> None:
+    """A server that accepts connections but never answers: StoreUnavailable, no hang."""
+    import socket
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    silent = create_store(f"postgresql://nobody@127.0.0.1:{port}/none")
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            silent.claim(scope, FP, ttl=60, lease=30)
+        assert time.monotonic() - started < 15
+    finally:
+        silent.engine.dispose()
+        listener.close()
+
+
+def _copy_and_large_object(connection: t.Any) -> tuple[str, int, bytes]:
+    """COPY both ways and a large object on a raw psycopg2 connection (then rolled back)."""
+    with connection.cursor() as cursor:
+        out = io.StringIO()
+        cursor.copy_expert("COPY (SELECT 42) TO STDOUT", out)
+        cursor.execute("CREATE TEMP TABLE idem_copy (x int)")
+        cursor.copy_from(io.StringIO("1\n2\n"), "idem_copy")
+        cursor.execute("SELECT count(*) FROM idem_copy")
+        (copied,) = cursor.fetchone()
+    written = connection.lobject(0, "wb")
+    written.write(b"large")
+    oid = written.oid
+    written.close()
+    read = connection.lobject(oid, "rb").read()
+    connection.rollback()
+    return out.getvalue().strip(), copied, read
+
+
+@pytest.mark.postgresql
+def test_the_applications_own_connections_keep_copy_and_large_objects(
+    pg_store: SQLStore, pg_url: str, scope: Scope
+) -> None:
+    """flask_idem's deadline is no process-wide psycopg2 state (no "green" mode): COPY and
+    large objects keep working on every other connection once a store exists and ran."""
+    assert pg_store.claim(scope, FP, ttl=60, lease=30).claimed
+    assert psycopg2.extensions.get_wait_callback() is None
+    expected = ("42", 2, b"large")
+
+    plain = psycopg2.connect(pg_url)
+    try:
+        assert _copy_and_large_object(plain) == expected
+    finally:
+        plain.close()
+
+    own = sa.create_engine(normalize_url(pg_url))  # the application's own engine
+    migrations = create_engine(pg_url, statement_timeout=None)  # flask_idem's, no deadline
+    try:
+        for engine in (own, migrations, pg_store.engine):
+            with engine.connect() as conn:
+                assert _copy_and_large_object(conn.connection.dbapi_connection) == expected
+    finally:
+        own.dispose()
+        migrations.dispose()
+    assert pg_store.get(scope) is not None, "the store still works"
+
+
+@pytest.mark.postgresql
+def test_store_connections_keep_every_cursor_kind(pg_store: SQLStore) -> None:
+    """The deadline wraps cursor classes of the application's choice and named cursors."""
+    with pg_store.engine.connect() as conn:
+        raw = conn.connection.dbapi_connection
+        with raw.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cursor:
+            assert isinstance(cursor, psycopg2.extras.RealDictCursor)
+            assert type(cursor).execute is not psycopg2.extras.RealDictCursor.execute, "bounded"
+            cursor.execute("SELECT 1 AS one")
+            assert cursor.fetchone() == {"one": 1}
+        named = raw.cursor("idem_named")
+        assert type(named).fetchmany is not psycopg2.extensions.cursor.fetchmany, "bounded"
+        named.itersize = 2
+        named.execute("SELECT generate_series(1, 5)")
+        assert [row[0] for row in named] == [1, 2, 3, 4, 5]
+        named.close()
+        streamed = conn.execution_options(stream_results=True).exec_driver_sql(
+            "SELECT generate_series(1, 3)"
+        )
+        assert [row[0] for row in streamed] == [1, 2, 3]
+        conn.rollback()
