@@ -12,10 +12,10 @@ import pytest
 
 from flask_idem import ConfigurationError, Idempotency, Scope, StoredResponse
 from flask_idem.store import SQLStore
+from tests.support.answers import assert_problem
 from tests.support.helpers import Counter
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
-BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
 FP = hashlib.sha256(b"request").digest()
 
 
@@ -29,14 +29,6 @@ def _ask(client: t.Any, key: str, tenant: str | None = "alpha", **query: str) ->
     headers = {"X-Tenant": tenant} if tenant else {}
     headers["Idempotency-Key"] = key
     return client.get("/idempotency/requests", query_string=query, headers=headers)
-
-
-def _problem(response: t.Any, status: int, name: str) -> dict[str, t.Any]:
-    assert response.status_code == status, response.data
-    assert response.headers["Content-Type"] == "application/problem+json"
-    document = t.cast("dict[str, t.Any]", json.loads(response.data))
-    assert document["type"] == BASE + name
-    return document
 
 
 def test_completed_request_is_described_without_its_body(app_factory: Factory) -> None:
@@ -76,8 +68,8 @@ def test_key_only_in_a_header_or_a_post_body_never_in_the_url(app_factory: Facto
     assert by_body.get_json() == by_header.get_json()
     assert client.get("/idempotency/requests/k-1", headers={"X-Tenant": "alpha"}).status_code == 404
     missing = client.get("/idempotency/requests", headers={"X-Tenant": "alpha"})
-    _problem(missing, 400, "idempotency-key-missing")
-    _problem(_ask(client, "bad key"), 400, "idempotency-key-invalid")
+    assert_problem(missing, 400, "idempotency-key-missing")
+    assert_problem(_ask(client, "bad key"), 400, "idempotency-key-invalid")
 
 
 @pytest.mark.parametrize(
@@ -95,7 +87,7 @@ def test_invalid_endpoint_filters_are_400_before_any_lookup(
 ) -> None:
     app, _, _ = app_factory()
     client = app.test_client()
-    _problem(_ask(client, "k-1", **query), 400, "parameter-invalid")
+    assert_problem(_ask(client, "k-1", **query), 400, "parameter-invalid")
 
 
 @pytest.mark.parametrize(
@@ -111,11 +103,11 @@ def test_invalid_post_bodies_are_400(app_factory: Factory, body: bytes) -> None:
         content_type="application/json",
         headers={"X-Tenant": "alpha"},
     )
-    _problem(response, 400, "parameter-invalid")
+    assert_problem(response, 400, "parameter-invalid")
     too_large = client.post(
         "/idempotency/requests", data=b" " * 5000, headers={"X-Tenant": "alpha"}
     )
-    _problem(too_large, 413, "request-body-too-large")
+    assert_problem(too_large, 413, "request-body-too-large")
 
 
 def test_keys_with_slashes_are_found(app_factory: Factory) -> None:
@@ -129,7 +121,7 @@ def test_another_tenants_key_answers_exactly_like_an_unknown_key(app_factory: Fa
     app, _, _ = app_factory()
     client = app.test_client()
     before = _ask(client, "shared", tenant="beta")
-    document = _problem(before, 404, "idempotency-key-unknown")
+    document = assert_problem(before, 404, "idempotency-key-unknown")
     assert document["status"] == 404
     assert _pay(client, "shared", tenant="alpha").status_code == 201
     after = _ask(client, "shared", tenant="beta")
@@ -163,14 +155,14 @@ def test_endpoint_filter_accepts_the_path_a_client_called(app_factory: Factory) 
         [one] = _ask(client, "multi", endpoint=spelled).get_json()["requests"]
         assert one["endpoint"] == "POST /status/<int:code>", spelled
         assert one["status"] == 200
-    _problem(_ask(client, "multi", endpoint="POST /refunds"), 404, "idempotency-key-unknown")
-    _problem(_ask(client, "multi", endpoint="GET /payments"), 404, "idempotency-key-unknown")
+    assert_problem(_ask(client, "multi", endpoint="POST /refunds"), 404, "idempotency-key-unknown")
+    assert_problem(_ask(client, "multi", endpoint="GET /payments"), 404, "idempotency-key-unknown")
 
 
 def test_anonymous_callers_get_401(app_factory: Factory) -> None:
     app, _, _ = app_factory(tenant=None)
     client = app.test_client()
-    document = _problem(_ask(client, "k", tenant=None), 401, "authentication-required")
+    document = assert_problem(_ask(client, "k", tenant=None), 401, "authentication-required")
     assert document["status"] == 401
 
 

@@ -16,10 +16,10 @@ import pytest
 
 from flask_idem import Idempotency
 from flask_idem.store import SQLStore
+from tests.support.answers import assert_problem
 from tests.support.helpers import Counter
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
-BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
 
 
 class _Broken(io.RawIOBase):
@@ -54,12 +54,6 @@ def _post(client: t.Any, key: str, **environ: t.Any) -> t.Any:
     )
 
 
-def _problem(response: t.Any, status: int, name: str) -> None:
-    assert response.status_code == status, response.data
-    assert response.headers["Content-Type"] == "application/problem+json"
-    assert json.loads(response.data)["type"] == BASE + name
-
-
 BODY = json.dumps({"amount": 4200, "currency": "eur"}).encode()
 
 
@@ -77,7 +71,7 @@ def test_a_short_content_length_body_is_400_and_the_full_retry_runs(
             "CONTENT_LENGTH": str(len(BODY)),
         },
     )
-    _problem(cut, 400, "request-body-incomplete")
+    assert_problem(cut, 400, "request-body-incomplete")
     assert cut.headers["Idempotency-Key"] == "cut"
     assert (counter.calls, _records(store)) == (0, 0), "refused before any claim"
     full = _post(client, "cut", body=BODY)
@@ -92,7 +86,7 @@ def test_a_broken_chunked_body_is_400_not_500(store: SQLStore, app_factory: Fact
         "chunked",
         **{"wsgi.input": _Broken(BODY[:10]), "wsgi.input_terminated": True},
     )
-    _problem(cut, 400, "request-body-incomplete")
+    assert_problem(cut, 400, "request-body-incomplete")
     assert (counter.calls, _records(store)) == (0, 0)
 
 
@@ -105,7 +99,7 @@ def test_a_body_over_the_limit_is_413(
     environ: dict[str, t.Any] = {"wsgi.input": io.BytesIO(big), "wsgi.input_terminated": True}
     if declared:
         environ["CONTENT_LENGTH"] = str(len(big))
-    _problem(_post(app.test_client(), "big", **environ), 413, "request-body-too-large")
+    assert_problem(_post(app.test_client(), "big", **environ), 413, "request-body-too-large")
     assert (counter.calls, _records(store)) == (0, 0)
     exact = json.dumps({"amount": 1, "note": "x" * (100 - 25)}).encode()
     assert len(exact) == 100
@@ -145,7 +139,7 @@ def test_a_whole_chunked_body_reaches_the_fingerprint_and_the_view(app_factory: 
     first = chunked(BODY)
     assert first.status_code == 201 and first.get_json()["amount"] == 4200, "the view saw it"
     other = json.dumps({"amount": 9999, "currency": "usd"}).encode()
-    _problem(chunked(other), 422, "idempotency-key-reused")
+    assert_problem(chunked(other), 422, "idempotency-key-reused")
     assert chunked(BODY).headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1
 
@@ -192,7 +186,7 @@ def test_a_form_parsed_by_a_hook_before_the_claim_is_still_fingerprinted(
     assert (first.status_code, first.get_json()) == (201, {"to": to.decode()}), first.data
     again = send(b"to=" + to + b"&amount=100&csrf_token=t")
     assert again.headers["Idempotent-Replayed"] == "true"
-    _problem(send(b"amount=999999&to=mallory&csrf_token=t"), 422, "idempotency-key-reused")
+    assert_problem(send(b"amount=999999&to=mallory&csrf_token=t"), 422, "idempotency-key-reused")
     assert counter.calls == 1
 
 
@@ -219,7 +213,7 @@ def test_a_multipart_form_parsed_before_the_claim_is_refused(
         data={"csrf_token": "t", "file": (io.BytesIO(b"invoice"), "invoice.pdf")},
         headers={"Idempotency-Key": "multipart"},
     )
-    _problem(response, 500, "internal-error")
+    assert_problem(response, 500, "internal-error")
     assert (counter.calls, _records(store)) == (0, 0)
 
 

@@ -37,9 +37,9 @@ from flask_idem.ops.migrate import upgrade
 from flask_idem.ops.reconcile import Verdict, reconcile
 from flask_idem.store import SQLStore, create_store
 from tests.support import pgcluster
+from tests.support.answers import assert_problem
 from tests.support.helpers import Counter, shift
 
-BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
 PAYMENTS = "POST /payments"
 CREATED = dt.datetime(2026, 12, 1, 12, 0, 0, 123456, tzinfo=dt.timezone.utc)
 SCOPE = Scope("alpha", PAYMENTS, "key-1")
@@ -109,14 +109,6 @@ def _post(app: flask.Flask, key: str = "key-1", tenant: str = "alpha") -> t.Any:
     return app.test_client().post(
         "/payments", json={"amount": 4200}, headers={"Idempotency-Key": key, "X-Tenant": tenant}
     )
-
-
-def _problem(response: t.Any, status: int, name: str) -> dict[str, t.Any]:
-    assert response.status_code == status, response.data
-    assert response.headers["Content-Type"] == "application/problem+json"
-    document = t.cast("dict[str, t.Any]", json.loads(response.data))
-    assert document["type"] == BASE + name
-    return document
 
 
 def _row(store: SQLStore, key: str, tenant: str = "alpha") -> dict[str, t.Any]:
@@ -404,7 +396,7 @@ def test_a_ciphertext_moved_to_another_record_is_never_replayed(
     _set_body(store, "key-1", "beta", alpha)
     with caplog.at_level(logging.ERROR, logger="flask_idem"):
         answer = _post(app, "key-1", "beta")
-    document = _problem(answer, 503, "stored-response-unreadable")
+    document = assert_problem(answer, 503, "stored-response-unreadable")
     assert "not executed again" in document["detail"]
     assert answer.headers["Retry-After"] == "30"
     assert answer.headers["Idempotency-Key"] == "key-1"
@@ -416,7 +408,7 @@ def test_a_ciphertext_moved_to_another_record_is_never_replayed(
     assert len(t.cast(t.Any, entry).key_hash) == 16
     # The same ciphertext under a later record of the same key (a new created_at) fails too.
     shift(store, Scope("alpha", PAYMENTS, "key-1"), 1, "created_at")
-    _problem(_post(app, "key-1", "alpha"), 503, "stored-response-unreadable")
+    assert_problem(_post(app, "key-1", "alpha"), 503, "stored-response-unreadable")
     assert counter.calls == 2
 
 
@@ -430,7 +422,7 @@ def test_a_missing_key_answers_a_problem_and_never_reexecutes(
         reader, reader_counter, _ = make_app(IDEMPOTENCY_ENCRYPTION_KEYS=config)
         with caplog.at_level(logging.INFO, logger="flask_idem"):
             for _ in range(2):
-                _problem(_post(reader), 503, "stored-response-unreadable")
+                assert_problem(_post(reader), 503, "stored-response-unreadable")
         assert reader_counter.calls == 0
     assert counter.calls == 1
     assert _row(store, "key-1")["state"] == "completed"
@@ -502,7 +494,7 @@ def test_turning_encryption_on_keeps_plain_records_replayable(
     strict, strict_counter, _ = make_app(
         IDEMPOTENCY_ENCRYPTION_KEYS={"k1": K1}, IDEMPOTENCY_REQUIRE_ENCRYPTED=True
     )
-    _problem(_post(strict, "plain"), 503, "stored-response-unreadable")
+    assert_problem(_post(strict, "plain"), 503, "stored-response-unreadable")
     assert _post(strict, "new").headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1 and strict_counter.calls == 0
 

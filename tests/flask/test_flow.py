@@ -14,10 +14,10 @@ import sqlalchemy as sa
 
 from flask_idem import Idempotency, Problem, Scope, State, create_store, signals
 from flask_idem.store import SQLStore
+from tests.support.answers import assert_problem
 from tests.support.helpers import Counter, count_statements, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
-BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
 PAYMENTS = "POST /payments"
 
 
@@ -29,16 +29,6 @@ def _post(client: t.Any, key: str | None = "key-1", body: t.Any = None, **header
     return client.post(
         "/payments", json={"amount": 4200} if body is None else body, headers=headers
     )
-
-
-def _assert_problem(response: t.Any, status: int, name: str) -> dict[str, t.Any]:
-    assert response.status_code == status, response.data
-    assert response.headers["Content-Type"] == "application/problem+json"
-    document = json.loads(response.data)
-    assert document["type"] == BASE + name
-    assert document["status"] == status
-    assert document["title"] and document["detail"]
-    return t.cast("dict[str, t.Any]", document)
 
 
 def _rows(store: SQLStore) -> int:
@@ -90,7 +80,7 @@ def test_same_key_different_request_is_422(app_factory: Factory, retry: t.Any) -
     app, _, counter = app_factory()
     client = app.test_client()
     first = _post(client)
-    _assert_problem(_post(client, body=retry), 422, "idempotency-key-reused")
+    assert_problem(_post(client, body=retry), 422, "idempotency-key-reused")
     original = _post(client)
     assert original.data == first.data and original.headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1
@@ -103,7 +93,7 @@ def test_query_and_path_are_part_of_the_request(app_factory: Factory) -> None:
     replay = client.post("/status/201?b=2&a=1", headers={"Idempotency-Key": "k"})
     assert replay.headers["Idempotent-Replayed"] == "true"
     other = client.post("/status/201?a=1&b=3", headers={"Idempotency-Key": "k"})
-    _assert_problem(other, 422, "idempotency-key-reused")
+    assert_problem(other, 422, "idempotency-key-reused")
     assert counter.calls == 1
 
 
@@ -113,7 +103,7 @@ def test_query_and_path_are_part_of_the_request(app_factory: Factory) -> None:
 def test_missing_key_is_400_and_stores_nothing(app_factory: Factory, store: SQLStore) -> None:
     app, _, counter = app_factory()
     response = _post(app.test_client(), key=None)
-    _assert_problem(response, 400, "idempotency-key-missing")
+    assert_problem(response, 400, "idempotency-key-missing")
     assert counter.calls == 0 and _rows(store) == 0
 
 
@@ -138,7 +128,7 @@ def test_invalid_key_is_400_and_stores_nothing(
     app, _, counter = app_factory()
     headers = {"Idempotency-Key": key.encode("utf-8").decode("latin-1")}
     response = app.test_client().post("/payments", json={"amount": 1}, headers=headers)
-    _assert_problem(response, 400, "idempotency-key-invalid")
+    assert_problem(response, 400, "idempotency-key-invalid")
     assert response.headers.get("Idempotency-Key") == echo
     assert counter.calls == 0 and _rows(store) == 0
 
@@ -170,7 +160,7 @@ def test_quoted_and_aliased_keys_are_the_same_key(app_factory: Factory) -> None:
 def test_two_different_keys_are_400(app_factory: Factory, store: SQLStore) -> None:
     app, _, counter = app_factory()
     response = _post(app.test_client(), key="one", **{"X-Idempotency-Key": "two"})
-    _assert_problem(response, 400, "idempotency-key-invalid")
+    assert_problem(response, 400, "idempotency-key-invalid")
     assert counter.calls == 0 and _rows(store) == 0
 
 
@@ -213,7 +203,7 @@ def test_tenants_and_endpoints_are_independent(app_factory: Factory) -> None:
 
 def test_no_tenant_no_claim(app_factory: Factory, store: SQLStore) -> None:
     app, _, counter = app_factory(tenant=None)
-    _assert_problem(_post(app.test_client()), 500, "tenant-unresolved")
+    assert_problem(_post(app.test_client()), 500, "tenant-unresolved")
     assert counter.calls == 0 and _rows(store) == 0
 
 
@@ -233,7 +223,7 @@ def test_in_flight_duplicate_is_409_with_retry_after(app_factory: Factory, store
     app, _, counter = app_factory()
     _hold(store, lease=30)
     response = _post(app.test_client())
-    _assert_problem(response, 409, "request-in-progress")
+    assert_problem(response, 409, "request-in-progress")
     assert response.headers["Retry-After"] == "1"
     assert response.headers["Idempotency-Key"] == "key-1"
     assert counter.calls == 0
@@ -264,7 +254,7 @@ def test_server_side_wait_is_bounded(app_factory: Factory, store: SQLStore) -> N
     app, _, _ = app_factory(IDEMPOTENCY_WAIT=0.3)
     _hold(store)
     started = time.monotonic()
-    _assert_problem(_post(app.test_client()), 409, "request-in-progress")
+    assert_problem(_post(app.test_client()), 409, "request-in-progress")
     assert 0.25 < time.monotonic() - started < 3
 
 
@@ -274,7 +264,7 @@ def test_expired_lease_with_fail_policy_is_outcome_pending(
     app, _, counter = app_factory()
     _hold(store, lease=30)
     shift(store, Scope("alpha", PAYMENTS, "key-1"), 31, "lease_expires_at")
-    _assert_problem(_post(app.test_client()), 409, "outcome-pending")
+    assert_problem(_post(app.test_client()), 409, "outcome-pending")
     assert counter.calls == 0
 
 
@@ -295,7 +285,7 @@ def test_expired_lease_with_reexecute_policy_takes_over_and_fences(
     digest = fingerprint("POST", "/charges", {}, [], b"", None)
     stale = store.claim(scope, digest, ttl=60, lease=5).token
     client = app.test_client()
-    _assert_problem(
+    assert_problem(
         client.post("/charges", headers={"Idempotency-Key": "key-1"}), 409, "request-in-progress"
     )
     shift(store, scope, 6, "lease_expires_at")
@@ -344,7 +334,7 @@ def test_lost_lease_rolls_back_the_business_transaction(
         return "too late", 201
 
     response = app.test_client().post("/lost", headers={"Idempotency-Key": "lost-1"})
-    _assert_problem(response, 409, "request-in-progress")
+    assert_problem(response, 409, "request-in-progress")
     assert _ledger(store, ledger) == []
 
 
@@ -385,7 +375,7 @@ def test_unhandled_exception_releases_the_key(app_factory: Factory, store: SQLSt
     client = app.test_client()
     for attempt in (1, 2):
         response = client.post("/crash", headers={"Idempotency-Key": "c"})
-        _assert_problem(response, 500, "internal-error")
+        assert_problem(response, 500, "internal-error")
         assert response.headers["Idempotency-Key"] == "c"
         assert counter.calls == attempt
     assert _rows(store) == 0
@@ -404,10 +394,8 @@ def test_exception_after_a_side_effect_marks_the_key_unknown(
         raise RuntimeError("provider answered, then we crashed")
 
     client = app.test_client()
-    _assert_problem(client.post("/charge", headers={"Idempotency-Key": "c"}), 500, "internal-error")
-    _assert_problem(
-        client.post("/charge", headers={"Idempotency-Key": "c"}), 409, "outcome-pending"
-    )
+    assert_problem(client.post("/charge", headers={"Idempotency-Key": "c"}), 500, "internal-error")
+    assert_problem(client.post("/charge", headers={"Idempotency-Key": "c"}), 409, "outcome-pending")
     record = store.get(Scope("alpha", "POST /charge", "c"))
     assert record is not None and record.state is State.UNKNOWN
     assert counter.calls == 1
@@ -426,7 +414,7 @@ def test_store_unavailable_is_503_and_the_view_never_runs(app_factory: Factory) 
         return "paid", 201
 
     response = app.test_client().post("/pay", headers={"Idempotency-Key": "k"})
-    _assert_problem(response, 503, "store-unavailable")
+    assert_problem(response, 503, "store-unavailable")
     assert int(response.headers["Retry-After"]) >= 1
     assert ran == []
 
@@ -448,7 +436,7 @@ def test_unstorable_response_keeps_the_key_taken(
     client = app.test_client()
     first = client.post("/export", headers={"Idempotency-Key": "e"})
     assert first.status_code == 200
-    _assert_problem(
+    assert_problem(
         client.post("/export", headers={"Idempotency-Key": "e"}), 409, "response-not-stored"
     )
     record = store.get(Scope("alpha", "POST /export", "e"))
@@ -711,7 +699,7 @@ def test_store_outage_during_completion_answers_honestly(
     assert response.status_code == 201 and response.data == b"charged"
     broken.engine.dispose()
     app.extensions["idempotency"].store = store
-    _assert_problem(
+    assert_problem(
         client.post("/late-failure", headers={"Idempotency-Key": "late"}),
         409,
         "request-in-progress",
@@ -745,7 +733,7 @@ def test_a_request_running_past_its_ttl_still_blocks_retries(
     time.sleep(1.6)
     retry = app.test_client().post("/slow-charge", headers={"Idempotency-Key": "k"})
     first.join(10)
-    _assert_problem(retry, 409, "request-in-progress")
+    assert_problem(retry, 409, "request-in-progress")
     assert results == [201] and counter.calls == 1
 
 
@@ -759,7 +747,7 @@ def test_store_failure_in_any_view_is_a_503_problem(app_factory: Factory) -> Non
         return "never", 200
 
     response = app.test_client().get("/report")
-    _assert_problem(response, 503, "store-unavailable")
+    assert_problem(response, 503, "store-unavailable")
     app.extensions["idempotency"].store.engine.dispose()
 
 
@@ -777,4 +765,4 @@ def test_an_unprotected_request_whose_commit_fails_is_a_503_problem(app_factory:
         return "looked fine", 200
 
     response = app.test_client().get("/report")
-    _assert_problem(response, 503, "store-unavailable")
+    assert_problem(response, 503, "store-unavailable")

@@ -16,6 +16,7 @@ from flask.views import MethodView
 
 from flask_idem import Idempotency, Scope, State, StoredResponse
 from flask_idem.store import SQLStore
+from tests.support.answers import problem_name
 from tests.support.helpers import Counter, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
@@ -55,11 +56,6 @@ def business(store: SQLStore) -> t.Iterator[sa.Table]:
 
 def _post(client: t.Any, path: str, key: str = "k", **headers: str) -> t.Any:
     return client.post(path, headers={"Idempotency-Key": key, **headers})
-
-
-def _problem(response: t.Any) -> str:
-    assert response.content_type == "application/problem+json", response.data
-    return str(response.get_json()["type"]).rsplit("/", 1)[-1]
 
 
 def _record(store: SQLStore, path: str, key: str = "k") -> t.Any:
@@ -139,7 +135,7 @@ def test_provider_timeout_on_a_fail_view_waits_for_reconciliation(
     client = app.test_client()
     assert _post(client, "/pay").status_code == 500
     for _ in range(2):
-        assert _problem(_post(client, "/pay")) == "outcome-pending"
+        assert problem_name(_post(client, "/pay")) == "outcome-pending"
     assert _record(store, "/pay").state is State.UNKNOWN
     assert provider.calls == 1
 
@@ -166,9 +162,9 @@ def test_a_view_that_declares_nothing_never_releases(app_factory: Factory, store
     first = _post(client, "/quiet")
     assert first.status_code == 500
     assert "may have had an effect" in first.get_json()["detail"]
-    assert _problem(_post(client, "/quiet")) == "outcome-pending"
+    assert problem_name(_post(client, "/quiet")) == "outcome-pending"
     assert _post(client, "/unavailable").status_code == 503
-    assert _problem(_post(client, "/unavailable")) == "outcome-pending"
+    assert problem_name(_post(client, "/unavailable")) == "outcome-pending"
     assert counter.calls == 2
     assert _record(store, "/quiet").state is State.UNKNOWN
 
@@ -235,7 +231,7 @@ def test_store_failing_after_the_charge_tells_the_truth_and_finishes_on_retry(
 
     client = app.test_client()
     failed = _post(client, "/pay")
-    assert _problem(failed) == "store-unavailable"
+    assert problem_name(failed) == "store-unavailable"
     assert "may have taken effect" in failed.get_json()["detail"]
     assert "nothing was changed" not in failed.get_json()["detail"]
     assert _record(store, "/pay").state is State.UNKNOWN
@@ -435,7 +431,7 @@ def test_reopened_record_reruns_as_the_same_operation(
 
     client = app.test_client()
     assert _post(client, "/pay").status_code == 500
-    assert _problem(_post(client, "/pay")) == "outcome-pending"
+    assert problem_name(_post(client, "/pay")) == "outcome-pending"
     scope = Scope("alpha", "POST /pay", "k")
     token = store.get(scope).claim_token
     assert not store.reopen(scope, token="another"), "fenced by the token seen"
@@ -635,7 +631,7 @@ def test_a_header_with_a_nul_is_never_stored_as_json(app_factory: Factory, store
 
     assert _post(app.test_client(), "/nul").status_code == 201
     assert _record(store, "/nul").state is State.UNSTORED, "not unknown after a jsonb error"
-    assert _problem(_post(app.test_client(), "/nul")) == "response-not-stored"
+    assert problem_name(_post(app.test_client(), "/nul")) == "response-not-stored"
     assert counter.calls == 1
 
 
@@ -651,7 +647,7 @@ def test_a_repeated_query_field_keeps_the_order_of_its_values(app_factory: Facto
     client = app.test_client()
     assert _post(client, "/pick?a=1&a=2&b=x").get_json() == {"a": "1"}
     assert _post(client, "/pick?b=x&a=1&a=2").headers["Idempotent-Replayed"] == "true"
-    assert _problem(_post(client, "/pick?a=2&a=1&b=x")) == "idempotency-key-reused"
+    assert problem_name(_post(client, "/pick?a=2&a=1&b=x")) == "idempotency-key-reused"
     assert counter.calls == 1
 
 
@@ -677,7 +673,7 @@ def test_an_atomic_views_store_outage_is_reported(store: SQLStore) -> None:
     def atomic() -> t.Any:
         return "never", 201
 
-    assert _problem(_post(app.test_client(), "/atomic")) == "store-unavailable"
+    assert problem_name(_post(app.test_client(), "/atomic")) == "store-unavailable"
     assert seen == ["store_unavailable"]
 
 

@@ -17,9 +17,9 @@ import pytest
 
 from flask_idem import Idempotency, Scope, State
 from flask_idem.store import SQLStore
+from tests.support.answers import BASE
 from tests.support.helpers import Counter
 
-BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
 LIMIT = 4096
 HUGE = "x" * (LIMIT * 2)
 

@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from flask_idem import ConfigurationError, Idempotency, Verdict
 from flask_idem.core.sealing import MAGIC
 from flask_idem.store import SQLStore
+from tests.support.answers import BASE
 from tests.support.helpers import Counter
 
-BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
 KEYS = {"k1": base64.b64encode(os.urandom(32)).decode()}
 #: A compressed envelope whose headers JSON is nested 100,000 levels deep.
 DEEP_HEADERS = b"[" * 100_000 + b"]" * 100_000

@@ -15,7 +15,8 @@ import sqlalchemy as sa
 
 from flask_idem import ConfigurationError, Idempotency, Scope
 from flask_idem.store import SQLStore
-from tests.flask.test_outcomes import _problem, business
+from tests.flask.test_outcomes import business
+from tests.support.answers import problem_name
 from tests.support.helpers import Counter
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
@@ -79,7 +80,7 @@ def test_every_delivery_of_one_event_is_one_effect(
     assert store.get(Scope("alpha", "POST /webhooks", "x")) is None, "the header is ignored"
     # Another sender's account is another scope; another body under the same id is refused.
     assert _deliver(client, event, **{"X-Tenant": "beta"}).status_code == 200
-    assert _problem(_deliver(client, {**event, "type": "other"})) == "idempotency-key-reused"
+    assert problem_name(_deliver(client, {**event, "type": "other"})) == "idempotency-key-reused"
     assert counter.calls == 2
 
 
@@ -98,7 +99,7 @@ def test_a_missing_or_invalid_event_id_is_400_before_any_claim(
 ) -> None:
     app, counter = receiver()
     answer = _deliver(app.test_client(), body)
-    assert answer.status_code == 400 and _problem(answer) == problem
+    assert answer.status_code == 400 and problem_name(answer) == problem
     assert counter.calls == 0 and not store.stuck()
     with store.engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar() == 0
@@ -109,7 +110,7 @@ def test_a_body_that_is_no_json_is_400(receiver: Receiver) -> None:
     answer = app.test_client().post(
         "/webhooks", data=b"{not json", headers={"X-Signature": "valid"}
     )
-    assert _problem(answer) == "idempotency-key-missing" and counter.calls == 0
+    assert problem_name(answer) == "idempotency-key-missing" and counter.calls == 0
 
 
 def test_a_bad_signature_never_claims(receiver: Receiver, store: SQLStore) -> None:
@@ -165,7 +166,7 @@ def test_a_body_over_the_limit_is_413_before_the_key_function_reads_it(
         content_type="application/json",
         environ_overrides=environ,
     )
-    assert answer.status_code == 413 and _problem(answer) == "request-body-too-large"
+    assert answer.status_code == 413 and problem_name(answer) == "request-body-too-large"
     assert parsed == [], "the key function never ran on it"
     assert store.get(Scope("alpha", "POST /webhooks", "evt_big")) is None
 
@@ -190,7 +191,7 @@ def test_a_signature_hook_reads_the_body_bounded_as_the_claim_does(
 
     client = app.test_client()
     too_large = client.post("/webhooks", json={"id": "evt_big", "padding": "x" * 2048})
-    assert too_large.status_code == 413 and _problem(too_large) == "request-body-too-large"
+    assert too_large.status_code == 413 and problem_name(too_large) == "request-body-too-large"
     assert hashed == [] and counter.calls == 0
     assert store.get(Scope("alpha", "POST /webhooks", "evt_big")) is None
     assert client.post("/webhooks", json={"id": "evt_small"}).json == {"received": "evt_small"}
