@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from flask_idem import ConfigurationError, Idempotency, Scope, StoreUnavailable
 from flask_idem.store import SQLStore, create_engine
 from tests.support import atomic_app
+from tests.support.answers import post
 from tests.support.helpers import Counter, count_statements
 from tests.support.pgcluster import ROOT, free_port
 
@@ -60,7 +61,7 @@ def _records(store: SQLStore) -> int:
 
 
 def _post(client: t.Any, path: str, key: str = "k") -> t.Any:
-    return client.post(path, json={"n": 1}, headers={"Idempotency-Key": key})
+    return post(client, key, {"n": 1}, path=path)
 
 
 def test_one_commit_replay_and_mismatch(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime as dt
+import functools
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ from flask_idem.ops.migrate import upgrade
 from flask_idem.ops.reconcile import Verdict, reconcile
 from flask_idem.store import SQLStore, create_store
 from tests.support import pgcluster
-from tests.support.answers import assert_problem
+from tests.support.answers import assert_problem, post
 from tests.support.helpers import Counter, shift
 
 PAYMENTS = "POST /payments"
@@ -105,10 +106,8 @@ def make_app(store: SQLStore, db_url: str) -> t.Iterator[t.Callable[..., App]]:
         own.engine.dispose()
 
 
-def _post(app: flask.Flask, key: str = "key-1", tenant: str = "alpha") -> t.Any:
-    return app.test_client().post(
-        "/payments", json={"amount": 4200}, headers={"Idempotency-Key": key, "X-Tenant": tenant}
-    )
+#: Every request names its tenant (``alpha`` unless told).
+_post = functools.partial(post, tenant="alpha")
 
 
 def _row(store: SQLStore, key: str, tenant: str = "alpha") -> dict[str, t.Any]:
@@ -390,12 +389,12 @@ def test_a_ciphertext_moved_to_another_record_is_never_replayed(
     make_app: t.Callable[..., App], caplog: pytest.LogCaptureFixture
 ) -> None:
     app, counter, store = make_app(IDEMPOTENCY_ENCRYPTION_KEYS={"k1": K1})
-    assert _post(app, "key-1", "alpha").status_code == 201
-    assert _post(app, "key-1", "beta").status_code == 201
+    assert _post(app, "key-1", tenant="alpha").status_code == 201
+    assert _post(app, "key-1", tenant="beta").status_code == 201
     alpha = bytes(_row(store, "key-1", "alpha")["response_body"])
     _set_body(store, "key-1", "beta", alpha)
     with caplog.at_level(logging.ERROR, logger="flask_idem"):
-        answer = _post(app, "key-1", "beta")
+        answer = _post(app, "key-1", tenant="beta")
     document = assert_problem(answer, 503, "stored-response-unreadable")
     assert "not executed again" in document["detail"]
     assert answer.headers["Retry-After"] == "30"
@@ -408,7 +407,7 @@ def test_a_ciphertext_moved_to_another_record_is_never_replayed(
     assert len(t.cast(t.Any, entry).key_hash) == 16
     # The same ciphertext under a later record of the same key (a new created_at) fails too.
     shift(store, Scope("alpha", PAYMENTS, "key-1"), 1, "created_at")
-    assert_problem(_post(app, "key-1", "alpha"), 503, "stored-response-unreadable")
+    assert_problem(_post(app, "key-1", tenant="alpha"), 503, "stored-response-unreadable")
     assert counter.calls == 2
 
 

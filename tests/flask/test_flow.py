@@ -14,21 +14,11 @@ import sqlalchemy as sa
 
 from flask_idem import Idempotency, Problem, Scope, State, create_store, signals
 from flask_idem.store import SQLStore
-from tests.support.answers import assert_problem
+from tests.support.answers import assert_problem, post
 from tests.support.helpers import Counter, count_statements, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 PAYMENTS = "POST /payments"
-
-
-def _post(client: t.Any, key: str | None = "key-1", body: t.Any = None, **headers: str) -> t.Any:
-    if key is not None:
-        headers.setdefault("Idempotency-Key", key)
-    if isinstance(body, (bytes, str)):
-        return client.post("/payments", data=body, headers=headers, content_type="application/json")
-    return client.post(
-        "/payments", json={"amount": 4200} if body is None else body, headers=headers
-    )
 
 
 def _rows(store: SQLStore) -> int:
@@ -42,8 +32,8 @@ def _rows(store: SQLStore) -> int:
 def test_retry_replays_the_stored_response(app_factory: Factory) -> None:
     app, _, counter = app_factory()
     client = app.test_client()
-    first = _post(client)
-    second = _post(client)
+    first = post(client)
+    second = post(client)
     assert first.status_code == second.status_code == 201
     assert second.data == first.data
     assert second.headers["Content-Type"] == first.headers["Content-Type"]
@@ -68,8 +58,8 @@ def test_retry_replays_the_stored_response(app_factory: Factory) -> None:
 def test_equivalent_requests_replay(app_factory: Factory, retry: t.Any) -> None:
     app, _, counter = app_factory()
     client = app.test_client()
-    first = _post(client, body={"amount": 4200, "client_ts": 1})
-    again = _post(client, body=retry)
+    first = post(client, body={"amount": 4200, "client_ts": 1})
+    again = post(client, body=retry)
     assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
     assert again.data == first.data
     assert counter.calls == 1
@@ -79,9 +69,9 @@ def test_equivalent_requests_replay(app_factory: Factory, retry: t.Any) -> None:
 def test_same_key_different_request_is_422(app_factory: Factory, retry: t.Any) -> None:
     app, _, counter = app_factory()
     client = app.test_client()
-    first = _post(client)
-    assert_problem(_post(client, body=retry), 422, "idempotency-key-reused")
-    original = _post(client)
+    first = post(client)
+    assert_problem(post(client, body=retry), 422, "idempotency-key-reused")
+    original = post(client)
     assert original.data == first.data and original.headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1
 
@@ -102,7 +92,7 @@ def test_query_and_path_are_part_of_the_request(app_factory: Factory) -> None:
 
 def test_missing_key_is_400_and_stores_nothing(app_factory: Factory, store: SQLStore) -> None:
     app, _, counter = app_factory()
-    response = _post(app.test_client(), key=None)
+    response = post(app.test_client(), key=None)
     assert_problem(response, 400, "idempotency-key-missing")
     assert counter.calls == 0 and _rows(store) == 0
 
@@ -137,29 +127,29 @@ def test_every_allowed_character_and_255_long_keys_work(app_factory: Factory) ->
     app, _, counter = app_factory()
     client = app.test_client()
     for key in ("AZaz09-_.:~+/=", "k" * 255, "a"):
-        assert _post(client, key=key).status_code == 201
+        assert post(client, key=key).status_code == 201
     assert counter.calls == 3
 
 
 def test_quoted_and_aliased_keys_are_the_same_key(app_factory: Factory) -> None:
     app, _, counter = app_factory()
     client = app.test_client()
-    _post(client, key="abc")
-    quoted = _post(client, key='"abc"')
+    post(client, key="abc")
+    quoted = post(client, key='"abc"')
     assert quoted.headers["Idempotent-Replayed"] == "true"
     assert quoted.headers["Idempotency-Key"] == "abc"
     alias = client.post("/payments", json={"amount": 4200}, headers={"x-idempotency-key": "abc"})
     assert alias.headers["Idempotent-Replayed"] == "true"
     lower = client.post("/payments", json={"amount": 4200}, headers={"idempotency-key": "abc"})
     assert lower.headers["Idempotent-Replayed"] == "true"
-    both = _post(client, key="abc", **{"X-Idempotency-Key": '"abc"'})
+    both = post(client, key="abc", **{"X-Idempotency-Key": '"abc"'})
     assert both.headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1
 
 
 def test_two_different_keys_are_400(app_factory: Factory, store: SQLStore) -> None:
     app, _, counter = app_factory()
-    response = _post(app.test_client(), key="one", **{"X-Idempotency-Key": "two"})
+    response = post(app.test_client(), key="one", **{"X-Idempotency-Key": "two"})
     assert_problem(response, 400, "idempotency-key-invalid")
     assert counter.calls == 0 and _rows(store) == 0
 
@@ -178,11 +168,11 @@ def test_get_ignores_the_header(app_factory: Factory, store: SQLStore) -> None:
 def test_optional_key_without_key_runs_unprotected(app_factory: Factory, store: SQLStore) -> None:
     app, _, counter = app_factory(IDEMPOTENCY_KEY_REQUIRED=False)
     client = app.test_client()
-    assert _post(client, key=None).status_code == 201
-    assert _post(client, key=None).status_code == 201
+    assert post(client, key=None).status_code == 201
+    assert post(client, key=None).status_code == 201
     assert counter.calls == 2 and _rows(store) == 0
-    _post(client)
-    assert _post(client).headers["Idempotent-Replayed"] == "true"
+    post(client)
+    assert post(client).headers["Idempotent-Replayed"] == "true"
 
 
 # -- scope -----------------------------------------------------------------------------------
@@ -191,19 +181,19 @@ def test_optional_key_without_key_runs_unprotected(app_factory: Factory, store: 
 def test_tenants_and_endpoints_are_independent(app_factory: Factory) -> None:
     app, _, counter = app_factory()
     client = app.test_client()
-    alpha = _post(client, body={"amount": 1})
-    beta = _post(client, body={"amount": 2}, **{"X-Tenant": "beta"})
+    alpha = post(client, body={"amount": 1})
+    beta = post(client, body={"amount": 2}, **{"X-Tenant": "beta"})
     assert beta.status_code == 201 and "Idempotent-Replayed" not in beta.headers
     assert beta.data != alpha.data
     other_endpoint = client.post("/status/200", headers={"Idempotency-Key": "key-1"})
     assert other_endpoint.status_code == 200 and "Idempotent-Replayed" not in other_endpoint.headers
-    assert _post(client, body={"amount": 2}, **{"X-Tenant": "beta"}).data == beta.data
+    assert post(client, body={"amount": 2}, **{"X-Tenant": "beta"}).data == beta.data
     assert counter.calls == 3
 
 
 def test_no_tenant_no_claim(app_factory: Factory, store: SQLStore) -> None:
     app, _, counter = app_factory(tenant=None)
-    assert_problem(_post(app.test_client()), 500, "tenant-unresolved")
+    assert_problem(post(app.test_client()), 500, "tenant-unresolved")
     assert counter.calls == 0 and _rows(store) == 0
 
 
@@ -222,7 +212,7 @@ def _hold(store: SQLStore, key: str = "key-1", lease: float = 30, tenant: str = 
 def test_in_flight_duplicate_is_409_with_retry_after(app_factory: Factory, store: SQLStore) -> None:
     app, _, counter = app_factory()
     _hold(store, lease=30)
-    response = _post(app.test_client())
+    response = post(app.test_client())
     assert_problem(response, 409, "request-in-progress")
     assert response.headers["Retry-After"] == "1"
     assert response.headers["Idempotency-Key"] == "key-1"
@@ -243,7 +233,7 @@ def test_server_side_wait_replays_once_the_first_finishes(
 
     threading.Thread(target=finish).start()
     started = time.monotonic()
-    response = _post(app.test_client())
+    response = post(app.test_client())
     assert response.status_code == 201 and response.data == b"ok"
     assert response.headers["Idempotent-Replayed"] == "true"
     assert 0.2 < time.monotonic() - started < 4
@@ -254,7 +244,7 @@ def test_server_side_wait_is_bounded(app_factory: Factory, store: SQLStore) -> N
     app, _, _ = app_factory(IDEMPOTENCY_WAIT=0.3)
     _hold(store)
     started = time.monotonic()
-    assert_problem(_post(app.test_client()), 409, "request-in-progress")
+    assert_problem(post(app.test_client()), 409, "request-in-progress")
     assert 0.25 < time.monotonic() - started < 3
 
 
@@ -264,7 +254,7 @@ def test_expired_lease_with_fail_policy_is_outcome_pending(
     app, _, counter = app_factory()
     _hold(store, lease=30)
     shift(store, Scope("alpha", PAYMENTS, "key-1"), 31, "lease_expires_at")
-    assert_problem(_post(app.test_client()), 409, "outcome-pending")
+    assert_problem(post(app.test_client()), 409, "outcome-pending")
     assert counter.calls == 0
 
 
@@ -485,11 +475,11 @@ def test_answers_before_the_claim_echo_the_key(store: SQLStore) -> None:
         ran.append(True)
         return "paid", 201
 
-    response = _post(app.test_client(), key='"k-401"')
+    response = post(app.test_client(), key='"k-401"')
     assert response.status_code == 401 and response.headers["Idempotency-Key"] == "k-401"
-    invalid = _post(app.test_client(), key="bad key")
+    invalid = post(app.test_client(), key="bad key")
     assert invalid.status_code == 401 and invalid.headers["Idempotency-Key"] == "bad key"
-    unprintable = _post(app.test_client(), key="ключ".encode().decode("latin-1"))
+    unprintable = post(app.test_client(), key="ключ".encode().decode("latin-1"))
     assert unprintable.status_code == 401 and "Idempotency-Key" not in unprintable.headers
     assert ran == [] and _rows(store) == 0
 
@@ -624,13 +614,13 @@ def test_signals_and_logs_never_carry_the_raw_key(
 
     caplog.set_level(logging.DEBUG)
     client = app.test_client()
-    _post(client, key=secret)
-    _post(client, key=secret)
-    _post(client, key=secret, body={"amount": 1})
+    post(client, key=secret)
+    post(client, key=secret)
+    post(client, key=secret, body={"amount": 1})
     client.post("/status/503", headers={"Idempotency-Key": secret})
     client.post("/unknown", headers={"Idempotency-Key": secret})
     _hold(store, key="held")
-    _post(client, key="held")
+    post(client, key="held")
     kinds = [name for name, _ in received]
     assert set(kinds) == set(names)
     for _, kwargs in received:
@@ -661,14 +651,14 @@ def test_round_trips_on_postgresql(app_factory: Factory, store: SQLStore, ledger
     sa.event.listen(store.engine, "commit", on_commit)
     try:
         with count_statements(store.engine) as new:
-            assert _post(client).status_code == 201
+            assert post(client).status_code == 201
         with count_statements(store.engine) as replay:
-            assert _post(client).headers["Idempotent-Replayed"] == "true"
+            assert post(client).headers["Idempotent-Replayed"] == "true"
         with count_statements(store.engine) as mismatch:
-            assert _post(client, body={"amount": 1}).status_code == 422
+            assert post(client, body={"amount": 1}).status_code == 422
         _hold(store, key="busy")
         with count_statements(store.engine) as conflict:
-            assert _post(client, key="busy").status_code == 409
+            assert post(client, key="busy").status_code == 409
         del commits[:]
         with count_statements(store.engine) as in_tx:
             assert client.post("/tx", headers={"Idempotency-Key": "tx"}).status_code == 201

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flask_idem import ConfigurationError, Idempotency, Scope
 from flask_idem.ops.metrics import Metrics, TableCollector
 from flask_idem.store import SQLStore
+from tests.support.answers import post
 from tests.support.helpers import shift
 
 SECRET = "metrics-secret-key-77"
@@ -53,7 +54,7 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, st
 
 
 def _post(client: t.Any, key: str, **body: t.Any) -> int:
-    return int(client.post("/pay", json=body, headers={"Idempotency-Key": key}).status_code)
+    return int(post(client, key, body, path="/pay").status_code)
 
 
 def test_outcomes_are_counted_by_endpoint_outcome_and_status(store: SQLStore) -> None:

@@ -5,6 +5,7 @@ failure is logged once, by the exception's class, never with the key or the body
 
 from __future__ import annotations
 
+import functools
 import logging
 import typing as t
 
@@ -17,6 +18,7 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerPro
 from flask_idem import Idempotency, JobOutcomePending, Scope, State, signals
 from flask_idem.ops.otel import Telemetry
 from flask_idem.store import SQLStore
+from tests.support.answers import post
 
 SECRET = "observer-secret-key-9d2e"
 BODY_SECRET = "card-4242-observer-body"
@@ -67,8 +69,7 @@ def _telemetry(processor: FailingProcessor) -> Telemetry:
     return Telemetry(tracer_provider=provider)
 
 
-def _post(client: t.Any) -> t.Any:
-    return client.post("/pay", json={"card": BODY_SECRET}, headers={"Idempotency-Key": SECRET})
+_post = functools.partial(post, key=SECRET, body={"card": BODY_SECRET}, path="/pay")
 
 
 def _assert_request_stored_and_replayed(app: flask.Flask) -> None:

@@ -27,6 +27,7 @@ from flask_idem.core.idempotency_keys import key_hash
 from flask_idem.ops.migrate import upgrade
 from flask_idem.ops.otel import Telemetry
 from flask_idem.store import SQLStore, create_store
+from tests.support.answers import post
 
 SECRET = "otel-secret-key-4f8c2a1e"
 BODY_SECRET = "card-4242-body-secret"
@@ -121,7 +122,7 @@ def _app(store: SQLStore, recorded: Recorded) -> tuple[flask.Flask, Idempotency]
 
 
 def _post(client: t.Any, key: str = SECRET, **body: t.Any) -> t.Any:
-    return client.post("/pay", json={"card": BODY_SECRET, **body}, headers={"Idempotency-Key": key})
+    return post(client, key, {"card": BODY_SECRET, **body}, path="/pay")
 
 
 def _attrs(span: ReadableSpan) -> dict[str, t.Any]:

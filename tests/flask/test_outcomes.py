@@ -16,7 +16,7 @@ from flask.views import MethodView
 
 from flask_idem import Idempotency, Scope, State, StoredResponse
 from flask_idem.store import SQLStore
-from tests.support.answers import problem_name
+from tests.support.answers import post, problem_name
 from tests.support.helpers import Counter, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
@@ -55,7 +55,7 @@ def business(store: SQLStore) -> t.Iterator[sa.Table]:
 
 
 def _post(client: t.Any, path: str, key: str = "k", **headers: str) -> t.Any:
-    return client.post(path, headers={"Idempotency-Key": key, **headers})
+    return post(client, key, None, path=path, **headers)
 
 
 def _record(store: SQLStore, path: str, key: str = "k") -> t.Any:

@@ -7,6 +7,7 @@ that the operation ran."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import typing as t
@@ -17,7 +18,7 @@ import pytest
 
 from flask_idem import Idempotency, Scope, State
 from flask_idem.store import SQLStore
-from tests.support.answers import BASE
+from tests.support.answers import BASE, post
 from tests.support.helpers import Counter
 
 LIMIT = 4096
@@ -54,8 +55,7 @@ def oversized(app_factory: t.Callable[..., App]) -> App:
     return app, idem, counter
 
 
-def _post(app: flask.Flask, path: str) -> t.Any:
-    return app.test_client().post(path, json={}, headers={"Idempotency-Key": "big-1"})
+_post = functools.partial(post, key="big-1", body={})
 
 
 def _record_state(store: SQLStore, path: str) -> State | None:
@@ -69,7 +69,7 @@ def test_a_4xx_too_large_to_store_frees_the_key_and_the_retry_gets_it_again(
 ) -> None:
     app, _, counter = oversized
     for attempt in range(1, 4):
-        response = _post(app, path)
+        response = _post(app, path=path)
         assert response.status_code == 400, response.data
         assert response.json == {"errors": HUGE}
         assert "Idempotent-Replayed" not in response.headers
@@ -85,11 +85,11 @@ def test_an_answer_too_large_to_store_after_it_ran_says_so_to_everyone(
     oversized: App, store: SQLStore, path: str, status: int
 ) -> None:
     app, _, counter = oversized
-    first = _post(app, path)
+    first = _post(app, path=path)
     assert first.status_code == status and first.json == {"errors": HUGE}
     assert first.headers["Idempotent-Stored"] == "false"
     for _ in range(2):
-        retry = _post(app, path)
+        retry = _post(app, path=path)
         assert retry.status_code == 409 and retry.mimetype == "application/problem+json"
         assert retry.json["type"] == BASE + "response-not-stored"
         assert "IDEMPOTENCY_MAX_BODY" in retry.json["detail"]

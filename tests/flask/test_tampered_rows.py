@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from flask_idem import ConfigurationError, Idempotency, Verdict
 from flask_idem.core.sealing import MAGIC
 from flask_idem.store import SQLStore
-from tests.support.answers import BASE
+from tests.support.answers import BASE, post
 from tests.support.helpers import Counter
 
 KEYS = {"k1": base64.b64encode(os.urandom(32)).decode()}
@@ -32,12 +32,6 @@ DEEP_ENVELOPE = (
 )
 
 App = tuple[flask.Flask, Idempotency, Counter]
-
-
-def _post(app: flask.Flask) -> t.Any:
-    return app.test_client().post(
-        "/payments", json={"amount": 4200}, headers={"Idempotency-Key": "tampered-1"}
-    )
 
 
 def _tamper(store: SQLStore, assignments: str, **values: t.Any) -> None:
@@ -56,7 +50,7 @@ def _headers_json(store: SQLStore) -> str:
 
 def _retry_is_unreadable(app: flask.Flask, counter: Counter) -> None:
     for _ in range(2):
-        retry = _post(app)
+        retry = post(app, "tampered-1")
         assert retry.status_code == 503, retry.data
         assert retry.mimetype == "application/problem+json"
         assert retry.json["type"] == BASE + "stored-response-unreadable"
@@ -69,7 +63,7 @@ def test_an_encrypted_row_missing_its_status_or_body_is_unreadable(
     app_factory: t.Callable[..., App], store: SQLStore, column: str
 ) -> None:
     app, _, counter = app_factory(IDEMPOTENCY_ENCRYPTION_KEYS=KEYS)
-    assert _post(app).status_code == 201
+    assert post(app, "tampered-1").status_code == 201
     _tamper(store, f"{column} = NULL")
     _retry_is_unreadable(app, counter)
 
@@ -97,7 +91,7 @@ def test_a_plain_row_with_malformed_headers_is_unreadable(
     app_factory: t.Callable[..., App], store: SQLStore, headers: t.Any
 ) -> None:
     app, _, counter = app_factory()
-    assert _post(app).status_code == 201
+    assert post(app, "tampered-1").status_code == 201
     _tamper(store, f"response_headers = {_headers_json(store)}", headers=json.dumps(headers))
     _retry_is_unreadable(app, counter)
 
@@ -107,7 +101,7 @@ def test_a_plain_row_with_an_impossible_status_is_unreadable(
     app_factory: t.Callable[..., App], store: SQLStore, status: int
 ) -> None:
     app, _, counter = app_factory()
-    assert _post(app).status_code == 201
+    assert post(app, "tampered-1").status_code == 201
     _tamper(store, "response_status = :status", status=status)
     _retry_is_unreadable(app, counter)
 
@@ -118,7 +112,7 @@ def test_a_plain_row_replays_only_the_headers_a_completion_stores(
     """Headers outside ``IDEMPOTENCY_STORED_HEADERS`` in a row (a per-request cookie, a
     connection upgrade, framing) were written by something else: the replay drops them."""
     app, _, counter = app_factory()
-    assert _post(app).status_code == 201
+    assert post(app, "tampered-1").status_code == 201
     forged = [
         ["Location", "/payments/pay_1"],
         ["Set-Cookie", "session=attacker"],
@@ -129,7 +123,7 @@ def test_a_plain_row_replays_only_the_headers_a_completion_stores(
         ["X-Request-Id", "forged"],
     ]
     _tamper(store, f"response_headers = {_headers_json(store)}", headers=json.dumps(forged))
-    retry = _post(app)
+    retry = post(app, "tampered-1")
     assert retry.status_code == 201 and retry.headers["Idempotent-Replayed"] == "true"
     assert retry.headers["Location"] == "/payments/pay_1"
     for name in ("Set-Cookie", "Connection", "Upgrade", "Transfer-Encoding", "X-Request-Id"):
@@ -168,7 +162,7 @@ def test_a_forged_envelope_with_deeply_nested_headers_is_unreadable(
     app_factory: t.Callable[..., App], store: SQLStore
 ) -> None:
     app, _, counter = app_factory()
-    assert _post(app).status_code == 201
+    assert post(app, "tampered-1").status_code == 201
     _tamper(store, "response_headers = NULL, response_body = :body", body=DEEP_ENVELOPE)
     _retry_is_unreadable(app, counter)
 
@@ -188,7 +182,7 @@ def test_sqlite_header_text_that_is_no_json_is_unreadable(
     """SQLite keeps whatever text a statement wrote in the JSON column (PostgreSQL's jsonb
     refuses it, nesting that deep included): reading it must not fail mid-fetch."""
     app, _, counter = app_factory()
-    assert _post(app).status_code == 201
+    assert post(app, "tampered-1").status_code == 201
     _tamper(store, "response_headers = :headers", headers=text)
     _retry_is_unreadable(app, counter)
 
@@ -214,7 +208,7 @@ def test_a_sqlite_timestamp_that_is_no_timestamp_is_unreadable(
     """SQLite keeps any value in a timestamp column: the claim that finds the row answers
     503, never 500, and neither replays nor takes over the record."""
     app, _, counter = app_factory()
-    assert _post(app).status_code == 201
+    assert post(app, "tampered-1").status_code == 201
     _tamper(store, f"state = :state, {column} = :value", state=state, value=value)
     _retry_is_unreadable(app, counter)
 

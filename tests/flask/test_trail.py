@@ -14,6 +14,7 @@ from flask_idem import Idempotency, Scope, StoredResponse, Verdict
 from flask_idem.core.idempotency_keys import key_hash
 from flask_idem.core.record import Record
 from flask_idem.store import SQLStore
+from tests.support.answers import post
 from tests.support.helpers import Counter, count_statements, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
@@ -22,11 +23,7 @@ ENDPOINT = "POST /payments"
 
 
 def _post(client: t.Any, key: str = SECRET, amount: int = 4200) -> t.Any:
-    return client.post(
-        "/payments",
-        json={"amount": amount, "note": "cus_SECRET_BODY"},
-        headers={"Idempotency-Key": key},
-    )
+    return post(client, key, {"amount": amount, "note": "cus_SECRET_BODY"})
 
 
 def _history(app: flask.Flask, key: str = SECRET, *args: str) -> list[dict[str, t.Any]]:

@@ -5,9 +5,48 @@ from __future__ import annotations
 import json
 import typing as t
 
+import flask
+
 #: The default ``IDEMPOTENCY_PROBLEM_BASE``, spelled here rather than read from the code, so
 #: that a change to it fails the tests that check a problem's type.
 BASE = "tag:flask-idem.readthedocs.io,2026:problems/"
+
+
+#: The body ``post`` sends unless told otherwise: the payment of the conftest's payments app.
+PAYMENT: t.Final = {"amount": 4200}
+
+
+def post(
+    target: flask.Flask | t.Any,
+    key: str | None = "key-1",
+    body: t.Any = PAYMENT,
+    *,
+    path: str = "/payments",
+    tenant: str | None = None,
+    **headers: str,
+) -> t.Any:
+    """POST ``body`` to a protected view with the ``Idempotency-Key`` header, through Flask's
+    test client, and return the response.
+
+    :param target: a test client, or an application (a new test client of it is used).
+    :param key: the ``Idempotency-Key`` header; ``None`` sends none.
+    :param body: sent as JSON; bytes or a string are sent as they are, as ``application/json``;
+        ``None`` sends no body.
+    :param path: the view's URL.
+    :param tenant: the ``X-Tenant`` header the test apps read the tenant from; ``None`` sends
+        none.
+    :param headers: further headers (``**{"X-Idempotency-Key": ...}``).
+    """
+    client = target.test_client() if isinstance(target, flask.Flask) else target
+    if key is not None:
+        headers.setdefault("Idempotency-Key", key)
+    if tenant is not None:
+        headers["X-Tenant"] = tenant
+    if body is None:
+        return client.post(path, headers=headers)
+    if isinstance(body, (bytes, str)):
+        return client.post(path, data=body, headers=headers, content_type="application/json")
+    return client.post(path, json=body, headers=headers)
 
 
 def assert_problem(response: t.Any, status: int, name: str) -> dict[str, t.Any]:
