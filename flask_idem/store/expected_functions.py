@@ -47,7 +47,7 @@ EXPECTED_FUNCTIONS: tuple[ExpectedFunction, ...] = (
     # The durable claim (revision 0010).
     ExpectedFunction(
         f"idempotency_claim({_ARGUMENTS})",
-        "6689cb76a488dcc268f5329626b2b3523812bac775e08ffd319040c14b4fd10c",
+        "cdcdbe682726cc0a962afdd3e1f98cd12c4a0ba55a6a41dafb2eb2f5f3a6454b",
     ),
     # The atomic claim (revision 0009).
     ExpectedFunction(

@@ -15,7 +15,8 @@ From this revision, where Citus is loaded (the ``citus.version`` setting exists)
 takes its lock by the query revision 0009 gave the atomic claim: a ``DELETE`` of the tenant's
 rows in ``idempotency_keys_default`` (the partition that always exists) that deletes nothing
 (no row is dated before ``-infinity``), in a CTE, with ``pg_advisory_xact_lock`` in the same
-statement. Citus routes it whole to the worker holding the shard, or runs it locally when
+statement. (Its ``RETURNING`` is ``*``, as every ``RETURNING`` of this function:
+``tests/test_citus.py`` holds the delegated function to stored columns.) Citus routes it whole to the worker holding the shard, or runs it locally when
 that is this node, and, as for any write, first takes the shard's metadata lock on this node,
 which a move that blocks writes holds exclusively on every node until it has switched the
 tenant: the query waits for the move and then routes to the new worker, or the move waits for
@@ -100,7 +101,7 @@ BEGIN
             DELETE FROM idempotency_keys_default AS d
              WHERE d.tenant = p_tenant AND d.endpoint = p_endpoint AND d.key = p_key
                AND d.created_at < '-infinity'
-            RETURNING 1)
+            RETURNING *)
         SELECT s.n INTO v_pinned
           FROM (SELECT count(*) AS n FROM pinned) AS s
          WHERE pg_advisory_xact_lock(
