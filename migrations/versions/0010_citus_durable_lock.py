@@ -14,17 +14,20 @@ inserted too: one key, two records in one shard, two winners
 From this revision, where Citus is loaded (the ``citus.version`` setting exists), the claim
 takes its lock by the query revision 0009 gave the atomic claim: a ``DELETE`` of the tenant's
 rows in ``idempotency_keys_default`` (the partition that always exists) that deletes nothing
-(no row is dated before ``-infinity``), in a CTE, with ``pg_advisory_xact_lock`` in the same
-statement. (Its ``RETURNING`` is ``*``, as every ``RETURNING`` of this function:
-``tests/test_citus.py`` holds the delegated function to stored columns.) Citus routes it whole to the worker holding the shard, or runs it locally when
-that is this node, and, as for any write, first takes the shard's metadata lock on this node,
-which a move that blocks writes holds exclusively on every node until it has switched the
-tenant: the query waits for the move and then routes to the new worker, or the move waits for
-this claim's transaction. Every claim of the scope, through any node, during a move or not,
-therefore locks on the shard's current worker, and its lookup and insert go over the same
-connection in the same transaction. The claim takes no lock on its own node first: held while
-the query waits for a move, it could close a cycle of waits with the move and a claim already
-pinned from another node (the move waits for that claim, which waits for this lock).
+(no row is dated before ``-infinity``), in a CTE, with ``pg_advisory_xact_lock`` (the waiting
+lock) in the same statement; its ``RETURNING`` is ``*``, as every ``RETURNING`` of this
+function (``tests/test_citus.py`` holds the delegated function to stored columns). Citus routes
+the query whole to the worker holding the shard, or runs it locally when that is this node,
+and, as for any write, first takes the shard's metadata lock on this node (seen in
+``pg_locks``: the metadata lock on the node running the claim, the scope's lock on the
+tenant's worker). A move that blocks writes holds that metadata lock exclusively on every
+node until it has switched the tenant, so the query waits for the move and then routes to the
+new worker, or the move waits for this claim's transaction. Every claim of the scope, through
+any node, during a move or not, therefore locks on the shard's current worker, and its lookup
+and insert go over the same connection in the same transaction. The claim takes no lock on
+its own node first: held while the query waits for a move, it could close a cycle of waits
+with the move and a claim already pinned from another node (the move waits for that claim,
+which waits for this lock).
 
 On plain PostgreSQL the claim takes the same lock as before, after one setting lookup. Where
 Citus is loaded but the table is not distributed, the query runs locally and takes the lock
