@@ -54,13 +54,24 @@ def _cli(url: str, *args: str) -> t.Any:
         app.extensions["idempotency"].store.engine.dispose()
 
 
-@pytest.fixture(scope="module")
-def distributed(citus_server: CitusCluster) -> Distributed:
-    url = citus_server.create_database("flask_idem_citus")
+def _distribute(citus_server: CitusCluster, database: str) -> Distributed:
+    url = citus_server.create_database(database)
     upgrade(url)
     first, second = (_cli(url, "citus") for _ in range(2))
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
     return Distributed(url, first.output, second.output)
+
+
+@pytest.fixture(scope="module")
+def distributed(citus_server: CitusCluster) -> Distributed:
+    return _distribute(citus_server, "flask_idem_citus")
+
+
+@pytest.fixture(scope="module")
+def moving(citus_server: CitusCluster) -> Distributed:
+    """A database of its own, where only ``idempotency_keys`` is in its colocation group: every
+    table moved with it has a primary key, which a move by logical replication needs."""
+    return _distribute(citus_server, "flask_idem_citus_moves")
 
 
 def _sql(url: str, statement: str, **parameters: t.Any) -> list[t.Any]:
@@ -519,22 +530,24 @@ def _claimer(
     return results
 
 
+@pytest.mark.parametrize("mode", ["block_writes", "force_logical"])
 def test_durable_claims_through_every_node_during_shard_moves_claim_each_key_once(
-    distributed: Distributed, citus_server: CitusCluster, store: SQLStore
+    moving: Distributed, citus_server: CitusCluster, mode: str
 ) -> None:
     """Durable claims of the same keys sent at once to the coordinator and to both workers
     (Citus lets workers with synced metadata serve queries, and each delegates the claim to
     the tenant's worker), while ``citus_move_shard_placement`` moves the tenant's shard group
-    back and forth with writes blocked: every key has one winner and one record.
+    back and forth (copying with writes blocked, or by logical replication, which blocks them
+    for the final catch-up and the switch): every key has one winner and one record.
 
     24 threads take the claims from one queue in which a key's claims through the three
     nodes are 8 places apart: when a move blocks writes, some claims of a key wait out the
     block on the tenant's old worker while others of it are sent after the switch, the race
     that ran keys twice before the durable claim pinned its scope on the shard."""
-    url = distributed.url
+    url = moving.url
     database = sa.make_url(url).database
     assert database is not None
-    tenant = "durable-moving"
+    tenant = f"durable-moving-{mode}"
     shard = int(
         _sql(
             url,
@@ -543,10 +556,10 @@ def test_durable_claims_through_every_node_during_shard_moves_claim_each_key_onc
         )[0][0]
     )
     ports = [worker.port for worker in citus_server.workers]
-    nodes = [store] + [
+    nodes = [create_store(url)] + [
         create_store(citus_server.url(node, database)) for node in citus_server.workers
     ]
-    claimers, moves = 24, 8
+    claimers, moves = 24, 4
     schedule = _claim_schedule(len(nodes), spread=claimers // len(nodes))
     lock = threading.Lock()
     stop = threading.Event()
@@ -564,7 +577,7 @@ def test_durable_claims_through_every_node_during_shard_moves_claim_each_key_onc
             citus_server.run(
                 citus_server.coordinator,
                 f"SELECT citus_move_shard_placement({shard}, '127.0.0.1', {source}, "
-                f"'127.0.0.1', {target}, shard_transfer_mode => 'block_writes')",
+                f"'127.0.0.1', {target}, shard_transfer_mode => '{mode}')",
                 database,
             )
             spans.append((began, time.monotonic()))
@@ -583,7 +596,7 @@ def test_durable_claims_through_every_node_during_shard_moves_claim_each_key_onc
                 stop.set()
             results = [result for stream in streams for result in stream.result()]
     finally:
-        for node in nodes[1:]:
+        for node in nodes:
             node.engine.dispose()
     winners: dict[str, int] = {}
     for key, claimed, _ in results:
