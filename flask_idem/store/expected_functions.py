@@ -44,10 +44,10 @@ _ARGUMENTS = "text,text,text,bytea,text,double precision,double precision"
 
 #: Every function ``alembic upgrade head`` installs, and nothing else.
 EXPECTED_FUNCTIONS: tuple[ExpectedFunction, ...] = (
-    # The durable claim (revision 0008).
+    # The durable claim (revision 0010).
     ExpectedFunction(
         f"idempotency_claim({_ARGUMENTS})",
-        "690c718cbf0a0781d6b025289cf6d02827413e9fc5ec087964508599b6eee2a8",
+        "cdcdbe682726cc0a962afdd3e1f98cd12c4a0ba55a6a41dafb2eb2f5f3a6454b",
     ),
     # The atomic claim (revision 0009).
     ExpectedFunction(

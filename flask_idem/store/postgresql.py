@@ -43,9 +43,10 @@ Round trips
 
 Citus
     ``flask idem citus`` distributes the table by ``tenant`` and this function by ``p_tenant``.
-    The atomic claim, which Citus does not delegate inside a transaction block, takes its lock
-    again on the tenant's worker (migration 0009), so that claims through any node exclude
-    each other. Every other statement is a single-tenant one Citus routes to one shard, and
+    Both claims take their lock on the tenant's worker by a write there that deletes nothing
+    (the atomic claim, which Citus does not delegate inside a transaction block, from migration
+    0009; the durable one from 0010), so that claims through any node exclude each other, during
+    a shard move too. Every other statement is a single-tenant one Citus routes to one shard, and
     none returns a non-immutable expression (``tests/store/test_citus.py`` checks both). See
     ``docs/citus.md``.
 

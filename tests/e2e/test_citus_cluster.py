@@ -19,6 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope
+from flask_idem.core.errors import StoreUnavailable
 from flask_idem.core.idempotency_keys import key_hash
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
@@ -52,13 +53,24 @@ def _cli(url: str, *args: str) -> t.Any:
         app.extensions["idempotency"].store.engine.dispose()
 
 
-@pytest.fixture(scope="module")
-def distributed(citus_server: CitusCluster) -> Distributed:
-    url = citus_server.create_database("flask_idem_citus")
+def _distribute(citus_server: CitusCluster, database: str) -> Distributed:
+    url = citus_server.create_database(database)
     upgrade(url)
     first, second = (_cli(url, "citus") for _ in range(2))
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
     return Distributed(url, first.output, second.output)
+
+
+@pytest.fixture(scope="module")
+def distributed(citus_server: CitusCluster) -> Distributed:
+    return _distribute(citus_server, "flask_idem_citus")
+
+
+@pytest.fixture(scope="module")
+def moving(citus_server: CitusCluster) -> Distributed:
+    """A database of its own, where only ``idempotency_keys`` is in its colocation group: every
+    table moved with it has a primary key, which a move by logical replication needs."""
+    return _distribute(citus_server, "flask_idem_citus_moves")
 
 
 def _sql(url: str, statement: str, **parameters: t.Any) -> list[t.Any]:
@@ -478,3 +490,127 @@ def test_a_shard_move_during_an_atomic_storm_through_two_nodes_runs_each_key_onc
     assert sorted(rows) == sorted((f"round-{r}-{n}", 1) for r in range(rounds) for n in range(2)), (
         "one order per key: none ran twice, none was lost"
     )
+
+
+def _claim_schedule(nodes: int, spread: int) -> t.Iterator[tuple[int, int]]:
+    """(key, node) of each claim to send, in order: every key once through each node, its
+    claims ``spread`` places apart (key ``k``'s claim through its n-th node is at place
+    ``k + n * spread``), so that some claims of a key are sent while others of it wait."""
+    for place in itertools.count():
+        for n in range(nodes):
+            key = place - n * spread
+            if key >= 0:
+                yield key, (key + n) % nodes
+
+
+def _claimer(
+    nodes: list[SQLStore],
+    tenant: str,
+    schedule: t.Iterator[tuple[int, int]],
+    lock: threading.Lock,
+    stop: threading.Event,
+) -> list[tuple[str, bool, float]]:
+    """Durable claims taken from ``schedule`` until ``stop`` is set: each key, whether the
+    claim won it, and when it returned. A claim the store could not make (503: the write
+    block outlasted its bounds) is made again, as a client retries with the same key."""
+    results: list[tuple[str, bool, float]] = []
+    while not stop.is_set():
+        with lock:
+            key, node = next(schedule)
+        scope = Scope(tenant, "POST /p", f"key-{key}")
+        while True:
+            try:
+                claimed = nodes[node].claim(scope, FP, ttl=600, lease=30).claimed
+            except StoreUnavailable:
+                time.sleep(0.01)
+                continue
+            results.append((scope.key, claimed, time.monotonic()))
+            break
+    return results
+
+
+@pytest.mark.parametrize("mode", ["block_writes", "force_logical"])
+def test_durable_claims_through_every_node_during_shard_moves_claim_each_key_once(
+    moving: Distributed, citus_server: CitusCluster, mode: str
+) -> None:
+    """Durable claims of the same keys sent at once to the coordinator and to both workers
+    (Citus lets workers with synced metadata serve queries, and each delegates the claim to
+    the tenant's worker), while ``citus_move_shard_placement`` moves the tenant's shard group
+    back and forth (copying with writes blocked, or by logical replication, which blocks them
+    for the final catch-up and the switch): every key has one winner and one record.
+
+    24 threads take the claims from one queue in which a key's claims through the three
+    nodes are 8 places apart: when a move blocks writes, some claims of a key wait out the
+    block on the tenant's old worker while others of it are sent after the switch, the race
+    that ran keys twice before the durable claim pinned its scope on the shard."""
+    url = moving.url
+    database = sa.make_url(url).database
+    assert database is not None
+    tenant = f"durable-moving-{mode}"
+    shard = int(
+        _sql(
+            url,
+            "SELECT get_shard_id_for_distribution_column('idempotency_keys_default', :t)",
+            t=tenant,
+        )[0][0]
+    )
+    ports = [worker.port for worker in citus_server.workers]
+    nodes = [create_store(url)] + [
+        create_store(citus_server.url(node, database)) for node in citus_server.workers
+    ]
+    claimers, moves = 24, 4
+    schedule = _claim_schedule(len(nodes), spread=claimers // len(nodes))
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def move_back_and_forth() -> list[tuple[float, float]]:
+        spans = []
+        for _ in range(moves):
+            source = int(
+                _sql(
+                    url, "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = :s", s=shard
+                )[0][0]
+            )
+            target = next(port for port in ports if port != source)
+            began = time.monotonic()
+            citus_server.run(
+                citus_server.coordinator,
+                f"SELECT citus_move_shard_placement({shard}, '127.0.0.1', {source}, "
+                f"'127.0.0.1', {target}, shard_transfer_mode => '{mode}')",
+                database,
+            )
+            spans.append((began, time.monotonic()))
+            time.sleep(0.2)  # claims run unblocked between moves
+        return spans
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1 + claimers) as pool:
+            streams = [
+                pool.submit(_claimer, nodes, tenant, schedule, lock, stop) for _ in range(claimers)
+            ]
+            mover = pool.submit(move_back_and_forth)
+            try:
+                spans = mover.result(timeout=120)
+            finally:
+                stop.set()
+            results = [result for stream in streams for result in stream.result()]
+    finally:
+        for node in nodes:
+            node.engine.dispose()
+    winners: dict[str, int] = {}
+    for key, claimed, _ in results:
+        winners[key] = winners.get(key, 0) + claimed
+    records = dict(
+        _sql(
+            url,
+            "SELECT key, count(*) FROM idempotency_keys WHERE tenant = :t GROUP BY key",
+            t=tenant,
+        )
+    )
+    assert len(spans) == moves
+    returned = sorted(when for _, _, when in results)
+    assert returned[0] < spans[0][1] and returned[-1] > spans[-1][0], "claims ran across the moves"
+    twice = sorted(key for key, count in records.items() if count != 1)
+    assert not twice, f"{len(twice)} of {len(records)} keys have more than one record"
+    assert [key for key, count in winners.items() if count != 1] == [], "one winner per key"
+    assert records.keys() == winners.keys()

@@ -48,7 +48,7 @@ def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool
 
 
 #: The newest revision.
-HEAD = "0009"
+HEAD = "0010"
 
 
 def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:
@@ -85,10 +85,11 @@ def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None
         engine.dispose()
 
 
-def _reserve_locks_on_citus(engine: sa.Engine) -> bool:
+def _locks_on_citus(engine: sa.Engine, function: str) -> bool:
+    """Whether the installed ``function`` takes its lock on the tenant's shard on Citus."""
     with engine.connect() as conn:
         text = conn.execute(
-            sa.text("SELECT prosrc FROM pg_proc WHERE proname = 'idempotency_claim_reserve'")
+            sa.text("SELECT prosrc FROM pg_proc WHERE proname = :name"), {"name": function}
         ).scalar_one()
     return "citus.version" in text
 
@@ -103,7 +104,7 @@ def test_upgrade_from_0008_keeps_records_and_atomic_claims(empty_url: str) -> No
         before = Scope("tenant", "POST /p", "before-0009")
         first = store.claim(before, FP, ttl=600, lease=30)
         assert first.claimed and store.complete(before, first.record.claim_token, RESPONSE)
-        upgrade(empty_url)
+        upgrade(empty_url, "0009")
         with store.engine.connect() as conn:
             version = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}"))
             assert version.scalar_one() == "0009"
@@ -126,8 +127,34 @@ def test_upgrade_from_0008_keeps_records_and_atomic_claims(empty_url: str) -> No
                 connection.close()
             assert store.get(new) is not None
             if store.engine.dialect.name == "postgresql":
-                assert _reserve_locks_on_citus(store.engine) is (revision == "0009")
+                assert _locks_on_citus(store.engine, "idempotency_claim_reserve") is (
+                    revision == "0009"
+                )
                 downgrade(empty_url, "0008")
+    finally:
+        store.engine.dispose()
+
+
+def test_upgrade_from_0009_keeps_records_and_durable_claims(empty_url: str) -> None:
+    """Revision 0010 only replaces the durable claim's text: a record written under 0009
+    still answers a claim of its key after the upgrade, a new key is still claimed once, and
+    the downgrade puts back the claim 0009 has (revision 0008's text)."""
+    upgrade(empty_url, "0009")
+    store = create_store(empty_url)
+    try:
+        before = Scope("tenant", "POST /p", "before-0010")
+        first = store.claim(before, FP, ttl=600, lease=30)
+        assert first.claimed and store.complete(before, first.record.claim_token, RESPONSE)
+        upgrade(empty_url, "0010")
+        for revision in ("0010", "0009"):
+            replay = store.claim(before, FP, ttl=600, lease=30)
+            assert not replay.claimed and replay.record.response == RESPONSE
+            new = Scope("tenant", "POST /p", f"new-under-{revision}")
+            assert store.claim(new, FP, ttl=600, lease=30).claimed
+            assert not store.claim(new, FP, ttl=600, lease=30).claimed
+            if store.engine.dialect.name == "postgresql":
+                assert _locks_on_citus(store.engine, "idempotency_claim") is (revision == "0010")
+            downgrade(empty_url, "0009")
     finally:
         store.engine.dispose()
 

@@ -33,6 +33,8 @@ SETTINGS = {
     "citus.enable_statistics_collection": "off",
     "max_prepared_transactions": "200",
     "max_connections": "200",
+    # Shard moves by logical replication (``shard_transfer_mode => 'force_logical'``).
+    "wal_level": "logical",
 }
 
 
