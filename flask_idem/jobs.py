@@ -26,6 +26,10 @@ gives back altered, or nested too deeply), or
 larger than ``IDEMPOTENCY_MAX_BODY``
 lost its lease to a re-run                     the taker's                ``JobInProgress`` (the
                                                                           first run raises it)
+ended its business transaction itself         released if releasable,    as released or
+(``db.session.close()`` or ``remove()``, the   else ``unknown``; never    ``unknown``; the run
+driver's ``commit()`` or ``rollback()``)       its result                 raises
+                                                                          ``JobOutcomePending``
 same key with other arguments                  unchanged                  ``JobKeyReused``
 the store fails at the claim                   nothing                    ``StoreUnavailable``
 =============================================  =========================  ======================
