@@ -1,16 +1,24 @@
-"""One execution of an operation, whoever runs it: a protected view (``flow``) or a job (``jobs``).
+"""One execution of an operation, whoever runs it: a protected view (:mod:`.web.flow`) or a job
+(:mod:`flask_idem.jobs`). Nothing here reads the request; an app context is enough.
 
-Nothing here reads the request; an app context is enough. Both callers take the same decisions
-from here, so a view and a job share one outcome model:
+An :class:`Attempt` holds what one execution knows of itself:
 
-:func:`classify`  what a claim that found a record leads to (refuse, replay, wait, re-run);
-:func:`own`       the claim is ours: watch its lease;
-:func:`store_result`  record the result, committed with the business transaction;
-:func:`note_ended_below`  a business transaction ended below SQLAlchemy: never stored;
-:func:`give_up`   roll the business transaction back and release the key only when the attempt
-                  provably committed nothing (it declared its effects, had not yet declared
-                  contact with the outside world, and committed nothing itself), else mark it
-                  ``unknown``.
+identity     the scope (tenant, endpoint, key), the options, the fingerprint;
+ownership    the claim's token and record, its lease (``watch``);
+transaction  the business transaction (``idem.connection()``, or ``db.session`` with ``db=``),
+             and what happened to it outside flask_idem (``committed``, ``work_lost``);
+phase        where it is (:class:`Phase`), moved only along :data:`TRANSITIONS`;
+contacted    it declared contact with the outside world (``downstream_key()``...).
+
+and does the three things both callers need: :meth:`~Attempt.claim` (or
+:meth:`~Attempt.claim_atomic`, :meth:`~Attempt.take_over`), :meth:`~Attempt.complete` (record
+the result, committed with the business transaction) and :meth:`~Attempt.give_up` (roll the
+business transaction back, and release the key only when the attempt provably committed
+nothing: it declared its effects, had not yet declared contact with the outside world, and
+committed nothing itself; else mark it ``unknown``).
+
+What a found record or a failure after the run leads to is one table, :data:`OUTCOMES`: its
+event, its HTTP answer (a view) and its job answer (a job). The callers only render the row.
 """
 
 from __future__ import annotations
@@ -22,19 +30,103 @@ import time
 import typing as t
 
 import sqlalchemy as sa
+from blinker import NamedSignal
+from flask import g
 
+from . import events
 from .commits import committed_elsewhere, count_commits_from_now, ended_outside
 from .core import signals
-from .core.errors import StoreUnavailable
-from .core.options import Recovery
-from .core.record import ClaimResult, Record, State, StoredResponse
-from .events import emit as emit
+from .core.errors import (
+    JobError,
+    JobInProgress,
+    JobKeyReused,
+    JobOutcomePending,
+    JobResultNotStored,
+    StoreUnavailable,
+)
+from .core.idempotency_keys import key_hash
+from .core.options import JobOptions, Recovery, ViewOptions
+from .core.problem import (
+    InternalError,
+    KeyReused,
+    OutcomePending,
+    Problem,
+    RequestInProgress,
+    ResponseNotStored,
+)
+from .core.record import ClaimResult, Record, Reservation, Scope, State, StoredResponse
+from .lease import Watch
+from .observers import call_observer
 from .sessions import replaced, roll_back_fresh
-from .state import AppState, RequestState
+from .state import ATTEMPT_SLOT, SESSION_STATE, AppState, Trace, current_attempt
+from .store import commit_count
+from .store.engines import OneDeadline
 from .store.messages import redacted
 from .store.sql import translate_errors
 
 log = logging.getLogger("flask_idem")
+
+#: 409 ``request-in-progress`` hints this many seconds: the lease says when an owner counts
+#: as gone, not when it finishes, and most requests finish within a second.
+IN_FLIGHT_RETRY_AFTER = 1
+
+
+class Phase(enum.Enum):
+    """Where an attempt is. What happens next is decided by the phase alone."""
+
+    #: It holds no key and will claim none: an unprotected view's or job's business
+    #: transaction (``idem.connection()``), or a protected request that claims nothing.
+    UNCLAIMED = "unclaimed"
+    #: It knows its scope and has not taken the key (yet): claiming, or answered from the
+    #: record that holds it (a replay, a 409, a 422).
+    CLAIMING = "claiming"
+    #: It holds the key; the view or job runs.
+    RUNNING = "running"
+    #: It holds the key; the view answered (returned, or raised an ``HTTPException``).
+    ANSWERED = "answered"
+    #: It holds the key; ``idem.refuse()`` ended the view or job: it did nothing.
+    REFUSED = "refused"
+    #: It holds the key; the view or job raised (whoever rendered the exception afterwards).
+    CRASHED = "crashed"
+    #: It holds no key and its view raised or refused: its business transaction rolls back.
+    FAILED = "failed"
+    #: Its result is recorded, or its key given up: nothing is left to decide.
+    FINISHED = "finished"
+
+
+#: The one transition table: every move an attempt may make. Any other raises.
+TRANSITIONS: t.Final[t.Mapping[Phase, frozenset[Phase]]] = {
+    Phase.UNCLAIMED: frozenset({Phase.FAILED}),
+    Phase.CLAIMING: frozenset({Phase.RUNNING, Phase.FAILED}),
+    # A job goes on from RUNNING to FINISHED: it has no answer of its own to send.
+    Phase.RUNNING: frozenset({Phase.ANSWERED, Phase.REFUSED, Phase.CRASHED, Phase.FINISHED}),
+    # An exception after the answer (an ``after_request`` hook's) is a crash too.
+    Phase.ANSWERED: frozenset({Phase.CRASHED, Phase.FINISHED}),
+    Phase.REFUSED: frozenset({Phase.CRASHED, Phase.FINISHED}),
+    Phase.CRASHED: frozenset({Phase.FINISHED}),
+    Phase.FAILED: frozenset(),
+    Phase.FINISHED: frozenset(),
+}
+
+#: The phases in which the attempt holds the key and its outcome is still open.
+HOLDING: t.Final = frozenset({Phase.RUNNING, Phase.ANSWERED, Phase.REFUSED, Phase.CRASHED})
+
+
+class IllegalTransition(RuntimeError):
+    """A move :data:`TRANSITIONS` does not allow: a bug in flask_idem, never the caller's."""
+
+
+def advance(phase: Phase, to: Phase) -> Phase:
+    """``to``, when :data:`TRANSITIONS` allows the move from ``phase``.
+
+    :raises IllegalTransition: it does not.
+    """
+    if to not in TRANSITIONS[phase]:
+        raise IllegalTransition(f"an attempt cannot move from {phase.value} to {to.value}")
+    return to
+
+
+# -- what a found record or a failure leads to ------------------------------------------------
 
 
 class Found(enum.Enum):
@@ -56,6 +148,16 @@ class Found(enum.Enum):
     RERUN = "rerun"
 
 
+class Failure(enum.Enum):
+    """How a run that held the key failed to be recorded."""
+
+    #: The lease expired and a re-run took the record over: its writes rolled back.
+    LEASE_LOST = "lease_lost"
+    #: Its business transaction ended before its answer, not through flask_idem (closed,
+    #: removed, ended below SQLAlchemy): its answer does not stand for what committed.
+    WORK_LOST = "work_lost"
+
+
 def classify(record: Record, digest: bytes, recovery: Recovery) -> Found:
     """The decision for an attempt whose claim found ``record``."""
     if record.fingerprint != digest:
@@ -72,167 +174,585 @@ def classify(record: Record, digest: bytes, recovery: Recovery) -> Found:
     return Found.RERUN
 
 
-def take_over(app_state: AppState, record: Record, lease: float) -> ClaimResult | None:
-    """Claim a :attr:`Found.RERUN` record: one winner, the same row, so the same downstream
-    keys. None for a loser (it finds the winner's record in progress on its next claim)."""
-    assert record.claim_token is not None
-    taken = app_state.store.take_over(record.scope, record.claim_token, lease=lease)
-    return None if taken is None else dataclasses.replace(taken, taken_over=True)
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One row of the outcome table: the event, the HTTP answer and the job answer."""
+
+    #: The transition it is (None: giving the key up reports it).
+    signal: NamedSignal | None
+    #: The event carries the found record's state.
+    with_state: bool
+    #: A view's answer: the problem and its detail (None: the view renders it).
+    problem: type[Problem] | None
+    detail: str
+    #: A job's answer: the error it raises and what it says of the message.
+    job_error: type[JobError] | None
+    job_says: str
+
+    def http(self) -> Problem:
+        """The problem a view answers."""
+        assert self.problem is not None
+        if self.problem is RequestInProgress:
+            return RequestInProgress(self.detail, retry_after=IN_FLIGHT_RETRY_AFTER)
+        return self.problem(self.detail)
+
+    def job(self, scope: Scope, *, retry_after: float | None = None) -> JobError:
+        """The error a job raises for the message of ``scope``."""
+        assert self.job_error is not None
+        message = f"{scope.endpoint} message {key_hash(scope)} {self.job_says}"
+        if retry_after is None:
+            return self.job_error(message)
+        return self.job_error(message, retry_after=retry_after)
 
 
-def own(app_state: AppState, state: RequestState, claim: ClaimResult, lease: float) -> None:
-    """The attempt holds the key: remember the token and keep renewing the lease."""
-    assert state.scope is not None
-    state.token = claim.token
-    state.record = claim.record
-    count_commits_from_now(state)  # a connection opened before the claim (a hook's)
-    if claim.taken_over:
-        # An earlier attempt of this operation may have had its effect: this one can never
-        # prove that nothing happened. Releasing would delete the record, and the next retry
-        # would run under a new one, with new downstream keys: a second charge. A failure of
-        # a re-run (a refusal included) leaves the record unknown, the same row and keys.
-        state.contacted = True
-    state.watch = app_state.keeper.watch(claim.record, lease)
-    if app_state.sessions is not None:
-        app_state.attach_session(state)  # db.session carries the business writes
-    emit(signals.taken_over if claim.taken_over else signals.claimed, state.scope)
-    state.view_started = time.monotonic()
+_IN_PROGRESS = "A request with this idempotency key is still being processed; retry later."
+
+#: What a found record that is neither replayed nor taken over, and a failure after the run,
+#: lead to. (A completed record is replayed, a re-run taken over: see the callers.)
+OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
+    Found.MISMATCH: Outcome(
+        signals.mismatch,
+        True,
+        KeyReused,
+        "This idempotency key was already used with a different request; "
+        "use a new key for a new operation.",
+        JobKeyReused,
+        "was already used with other arguments",
+    ),
+    Found.UNSTORED: Outcome(
+        signals.not_stored,
+        False,
+        ResponseNotStored,
+        "The original request ran and completed, but its response was streamed or larger "
+        "than this endpoint stores (IDEMPOTENCY_MAX_BODY), so it cannot be replayed; it "
+        "was not executed again. Look its result up instead of retrying: a new key would "
+        "run the operation a second time.",
+        JobResultNotStored,
+        "ran, but its result was not storable",
+    ),
+    Found.RUNNING: Outcome(
+        signals.conflict,
+        False,
+        RequestInProgress,
+        _IN_PROGRESS,
+        JobInProgress,
+        "is being run by another worker",
+    ),
+    Found.PENDING: Outcome(
+        signals.pending,
+        True,
+        OutcomePending,
+        "The original request may have taken effect but its outcome is not known; it "
+        "will not be executed again automatically and is being reconciled.",
+        JobOutcomePending,
+        "may have run but its outcome is unknown",
+    ),
+    Failure.LEASE_LOST: Outcome(
+        signals.lease_lost,
+        False,
+        RequestInProgress,
+        "This request lost its claim on the idempotency key to a retry; retry to get the result.",
+        JobInProgress,
+        "lost its lease to a re-run; its writes were rolled back",
+    ),
+    Failure.WORK_LOST: Outcome(
+        None,
+        False,
+        InternalError,
+        "The request's database transaction ended before the server answered, so its "
+        "work was not recorded. ",
+        JobOutcomePending,
+        "ended its database transaction itself: its result was not recorded and its effect "
+        "is unknown",
+    ),
+}
 
 
 class CommitUncertain(StoreUnavailable):
     """The COMMIT of the result failed: it may have gone through before the answer was lost."""
 
 
-def store_result(app_state: AppState, state: RequestState, snapshot: StoredResponse | None) -> bool:
-    """Complete the record with ``snapshot`` (None: ran, not storable) and commit the business
-    transaction with it, or roll that back when the token lost the record to a takeover.
+# -- the attempt -----------------------------------------------------------------------------
 
-    :returns: False when the lease was lost (the attempt's business writes rolled back).
-    :raises StoreUnavailable: nothing was committed; the caller gives up.
-    :raises CommitUncertain: the commit itself failed and may have gone through.
-    """
-    assert state.scope is not None and state.token is not None
-    if state.session is not None:
-        app_state.begin(state)  # the completion joins the session's transaction
-    if state.reservation is not None:
-        # An atomic claim's record: written once, completed, by the transaction holding it.
-        stored = state.reservation.complete(snapshot)
-    else:
-        stored = app_state.store.complete(
-            state.scope,
-            state.token,
-            snapshot,
-            connection=state.connection,
-            created_at=created_at(state),
-        )
-    if state.connection is not None:
-        if stored:
-            state.finished = True  # from here the commit is ours (see flow's atomic guard)
+
+@dataclasses.dataclass(eq=False)
+class Attempt:
+    """One protected request's (or job's) execution, on ``flask.g`` while it runs (``flask.g``
+    lives on the app context, so ``idem.downstream_key()`` and ``idem.connection()`` work in
+    a job as in a view)."""
+
+    app_state: AppState
+    scope: Scope | None
+    options: ViewOptions | JobOptions | None
+    #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``).
+    echo: str | None = None
+    #: The request's fingerprint, once computed (events carry a prefix of it).
+    fingerprint: bytes | None = None
+    phase: Phase = dataclasses.field(init=False)
+    token: str | None = None
+    #: The record this attempt owns (claimed or taken over).
+    record: Record | None = None
+    #: Set when ``record`` is reserved, not written yet (see :attr:`ClaimResult.reservation`).
+    reservation: Reservation | None = None
+    watch: Watch | None = None
+    connection: sa.Connection | None = None
+    #: The Flask-SQLAlchemy session whose transaction ``connection`` is (``db=``), if any.
+    session: t.Any = None
+    #: The view or job declared contact with the outside world (``downstream_key()``...).
+    contacted: bool = False
+    #: The business transaction ended before the view answered, and not through flask_idem
+    #: (``db.session.close()``, ``remove()``, a rollback whose refusal the view caught): the
+    #: view's writes are gone, so its answer must never be stored or sent.
+    work_lost: bool = False
+    #: The attempt's business transaction was committed, or ended by a statement of the view's
+    #: own (``COMMIT``, ``END``), outside flask_idem: it can never prove it committed nothing.
+    committed: bool = False
+    #: A store failure was already reported for this attempt (events count it once).
+    store_failed: bool = False
+    #: When the attempt started (``time.monotonic()``): events of the claim measure from here.
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    #: When the attempt got the key: events ending the attempt measure the view from here.
+    view_started: float | None = None
+    #: The tracer's view of this attempt, when one follows it (:meth:`start_trace`).
+    trace: Trace | None = None
+    #: The claim was made by the outer guard around the whole view function (not by the
+    #: view's own ``@idem.idempotent``, which the guard search did not find).
+    claimed_around_view: bool = False
+    #: The driver-level commits this attempt's context made on the store's engine, counted
+    #: from its claim (:mod:`.store.commit_count`).
+    tally: commit_count.Tally | None = None
+    #: The phases it went through, oldest first (``refused`` is read from it after the end).
+    path: list[Phase] = dataclasses.field(init=False)
+    #: True while flask_idem itself commits or rolls the business transaction back: the
+    #: commit guard and the session's listeners leave that to it.
+    _settling: bool = dataclasses.field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.phase = Phase.UNCLAIMED if self.scope is None else Phase.CLAIMING
+        self.path = [self.phase]
+
+    # -- the phase ---------------------------------------------------------------------
+
+    def _move(self, to: Phase) -> None:
+        self.phase = advance(self.phase, to)
+        self.path.append(to)
+
+    @property
+    def holding(self) -> bool:
+        """It holds the key and its outcome is still open."""
+        return self.phase in HOLDING
+
+    @property
+    def view_running(self) -> bool:
+        """It holds the key and its view or job has not ended yet."""
+        return self.phase is Phase.RUNNING
+
+    @property
+    def guarding(self) -> bool:
+        """Its business transaction is the view's or job's to write, not to end: the commit
+        guard and the session's listeners watch it (not flask_idem's own commit or rollback)."""
+        return self.phase in HOLDING and not self._settling
+
+    @property
+    def claimed(self) -> bool:
+        """It took the key at some point (it may have given it up since)."""
+        return self.token is not None
+
+    @property
+    def refused(self) -> bool:
+        """``idem.refuse()`` ended its view or job."""
+        return Phase.REFUSED in self.path
+
+    def answered(self) -> None:
+        """The view returned, or raised an ``HTTPException``."""
+        if self.phase is Phase.RUNNING:
+            self._move(Phase.ANSWERED)
+
+    def refuse(self) -> None:
+        """``idem.refuse()`` ended the view or job."""
+        if self.phase is Phase.RUNNING:
+            self._move(Phase.REFUSED)
+        elif self.phase in (Phase.UNCLAIMED, Phase.CLAIMING):
+            self._move(Phase.FAILED)
+
+    def crash(self) -> None:
+        """The view or job raised, or an exception followed its answer (never undone: a
+        later answer of the same failure, seen by an outer guard, is no success)."""
+        if self.phase in (Phase.RUNNING, Phase.ANSWERED, Phase.REFUSED):
+            self._move(Phase.CRASHED)
+        elif self.phase in (Phase.UNCLAIMED, Phase.CLAIMING):
+            self._move(Phase.FAILED)
+
+    def lose_work(self) -> None:
+        """Its business transaction ended under the view, not through flask_idem."""
+        self.work_lost = True
+
+    def _finish(self) -> None:
+        if self.phase is not Phase.FINISHED:
+            self._move(Phase.FINISHED)
+
+    # -- on flask.g --------------------------------------------------------------------
+
+    @classmethod
+    def current(cls) -> Attempt | None:
+        """The attempt of this context, or None."""
+        return current_attempt()
+
+    @classmethod
+    def ensure(cls) -> Attempt:
+        """The context's attempt, created unprotected (for ``idem.connection()`` in any view)."""
+        attempt = cls.current()
+        if attempt is None:
+            attempt = cls(AppState.current(), scope=None, options=None)
+            attempt.attach()
+        return attempt
+
+    def attach(self) -> None:
+        setattr(g, ATTEMPT_SLOT, self)
+
+    @staticmethod
+    def detach() -> None:
+        g.pop(ATTEMPT_SLOT, None)
+
+    # -- events and the trace ----------------------------------------------------------
+
+    def emit(self, signal: NamedSignal, **extra: t.Any) -> None:
+        """Send ``signal`` for this attempt: its duration from the attempt's own clock (the
+        claim's start, or the view's once it holds the key), its fingerprint's prefix."""
+        assert self.scope is not None
+        since = self.started if self.view_started is None else self.view_started
+        events.emit(signal, self.scope, fingerprint=self.fingerprint, since=since, **extra)
+
+    def emit_found(self, found: Found | Failure, record: Record | None = None) -> Outcome:
+        """Send the event of ``found``'s row of :data:`OUTCOMES`, and return the row."""
+        outcome = OUTCOMES[found]
+        if outcome.signal is not None:
+            if outcome.with_state:
+                assert record is not None
+                self.emit(outcome.signal, state=record.state.value)
+            else:
+                self.emit(outcome.signal)
+        return outcome
+
+    def start_trace(self) -> None:
+        """Follow the attempt in the tracer, when there is one."""
+        tracer = self.app_state.tracer
+        if tracer is not None:
+
+            def begin() -> None:
+                self.trace = tracer(self)
+
+            call_observer("flask_idem tracer: begin", begin)
+
+    def completing(self) -> None:
+        """The view or job is over; tell the trace, if any."""
+        if self.trace is not None:
+            self._tell_trace("completing", self.trace.completing)
+
+    def failed(self, error: BaseException) -> None:
+        """The view or job raised ``error``; tell the trace, if any."""
+        if self.trace is not None:
+            trace = self.trace
+            self._tell_trace("failed", lambda: trace.failed(error))
+
+    def _tell_trace(self, moment: str, call: t.Callable[[], None]) -> None:
+        """A trace that raises never changes the attempt (see :mod:`flask_idem.observers`)."""
+        call_observer(f"flask_idem tracer: {moment}", call)
+
+    # -- the business transaction ------------------------------------------------------
+
+    def begin(self) -> sa.Connection:
+        """The business transaction, opened on first use: the connection of the application's
+        ``db.session`` (with ``db=``), else one of its own on the store."""
+        app_state = self.app_state
+        if app_state.sessions is not None:
+            # Also for a connection taken over from an earlier attempt (a hook's
+            # idem.connection()): the session's guards must see this attempt.
+            session = self.attach_session()
+            if self.connection is None:
+                with translate_errors():
+                    self.connection = session.connection(
+                        bind_arguments={"bind": app_state.store.engine}
+                    )
+        elif self.connection is None:
+            self.connection = app_state.store.begin()
+            commit_count.zero(self.connection)  # a commit below it counts from its start
+        return self.connection
+
+    def attach_session(self) -> t.Any:
+        """Make ``db.session`` the attempt's business transaction without opening it yet:
+        SQLite has one writer, so its lock must not be taken before the view writes (a
+        provider's own connection to the same file would wait for it)."""
+        assert self.app_state.sessions is not None
+        if self.session is None:
+            self.session = self.app_state.sessions.scoped()
+        # Also for a session taken over from an earlier attempt (a hook's idem.connection()):
+        # the commit guard must see the claimed attempt, not the hook's unprotected one.
+        self.session.info[SESSION_STATE] = self
+        return self.session
+
+    def flush(self) -> None:
+        """Write the session's pending ORM changes into the business transaction."""
+        if self.session is not None:
+            self.session.flush()
+
+    def commit(self) -> None:
+        """Commit the business transaction (through the session: pending changes included)."""
+        self._settle("commit")
+
+    def rollback(self) -> None:
+        """Roll the business transaction back (through the session, if any)."""
+        self._settle("rollback")
+
+    def _settle(self, how: str) -> None:
+        target = self.session if self.session is not None else self.connection
+        if target is None:
+            return
+        self._settling = True
+        try:
+            getattr(target, how)()
+        finally:
+            self._settling = False
+
+    def rollback_quietly(self) -> None:
+        """Roll back, logging a failure. The session may hold a transaction (and SQLite's
+        write lock) of its own before the store's connection was ever asked for: it too."""
+        if self.connection is not None or self.session is not None:
             try:
-                state.commit()
+                self.rollback()
             except sa.exc.SQLAlchemyError as exc:
-                raise CommitUncertain(f"commit failed: {type(exc).__name__}") from exc
+                log.warning("rollback of the business transaction failed", exc_info=redacted(exc))
+
+    def close(self) -> None:
+        """End the attempt's use of the business transaction. A session's connection is the
+        session's to close (Flask-SQLAlchemy removes the session at app context teardown)."""
+        try:
+            if self.session is not None:
+                self.session.info.pop(SESSION_STATE, None)
+                if self.session.in_transaction():
+                    self.rollback()
+            elif self.connection is not None:
+                self.connection.close()
+        finally:
+            if self.trace is not None:
+                self._tell_trace("end", self.trace.end)
+                self.trace = None
+
+    @property
+    def releasable(self) -> bool:
+        """Whether a failure now provably committed nothing, so the key may be given back."""
+        if self.committed:
+            return False  # whatever it committed stays: a re-run would commit it again
+        if self.atomic:
+            return True  # the claim itself rolls back with everything else
+        if self.contacted or self.options is None:
+            return False
+        return self.refused or self.options.release_before_contact
+
+    @property
+    def atomic(self) -> bool:
+        """The claim lives in the business transaction (``@idem.idempotent(atomic=True)``)."""
+        return bool(getattr(self.options, "atomic", False))
+
+    @property
+    def created_at(self) -> t.Any:
+        # Tells PostgreSQL which partition holds the record (see ``Store.complete``).
+        return None if self.record is None else self.record.created_at
+
+    # -- claim ---------------------------------------------------------------------------
+
+    def claim(self, digest: bytes, *, ttl: float, lease: float) -> Record | None:
+        """Claim the key: None when the attempt now holds it, else the record holding it.
+
+        :raises StoreUnavailable: the store failed (reported by the caller, who answers).
+        """
+        assert self.scope is not None
+        self.fingerprint = digest
+        result = self.app_state.store.claim(self.scope, digest, ttl=ttl, lease=lease)
+        if not result.claimed:
+            return result.record
+        self.own(result, lease)
+        return None
+
+    def take_over(self, record: Record, lease: float) -> bool:
+        """Claim a :attr:`Found.RERUN` record: one winner, the same row, so the same
+        downstream keys. False for a loser (it finds the winner's record in progress on its
+        next claim)."""
+        assert record.claim_token is not None
+        taken = self.app_state.store.take_over(record.scope, record.claim_token, lease=lease)
+        if taken is None:
+            return False
+        self.own(dataclasses.replace(taken, taken_over=True), lease)
+        return True
+
+    def claim_atomic(self, digest: bytes, *, ttl: float) -> ClaimResult | None:
+        """The claim of an atomic view, inside the business transaction it opens: the
+        result (claimed: the attempt holds the key; else the record holding it, after the
+        empty transaction is rolled back), or None when a duplicate holds the scope."""
+        assert self.scope is not None
+        self.fingerprint = digest
+        with OneDeadline():  # the checkout and the claim: one wait for the server
+            connection = self.begin()
+            result = self.app_state.store.claim_atomic(connection, self.scope, digest, ttl=ttl)
+        if result is not None and result.claimed:
+            self.token, self.record = result.token, result.record
+            self.reservation = result.reservation
+            count_commits_from_now(self)  # a connection opened before the claim
+            self._move(Phase.RUNNING)
+            self.emit(signals.claimed)
+            self.view_started = time.monotonic()
+        return result
+
+    def own(self, claim: ClaimResult, lease: float) -> None:
+        """The attempt holds the key: remember the token and keep renewing the lease."""
+        assert self.scope is not None
+        self.token = claim.token
+        self.record = claim.record
+        count_commits_from_now(self)  # a connection opened before the claim (a hook's)
+        if claim.taken_over:
+            # An earlier attempt of this operation may have had its effect: this one can never
+            # prove that nothing happened. Releasing would delete the record, and the next retry
+            # would run under a new one, with new downstream keys: a second charge. A failure of
+            # a re-run (a refusal included) leaves the record unknown, the same row and keys.
+            self.contacted = True
+        self.watch = self.app_state.keeper.watch(claim.record, lease)
+        if self.app_state.sessions is not None:
+            self.attach_session()  # db.session carries the business writes
+        self._move(Phase.RUNNING)
+        self.emit(signals.taken_over if claim.taken_over else signals.claimed)
+        self.view_started = time.monotonic()
+
+    # -- after the run -------------------------------------------------------------------
+
+    def note_ended_below(self) -> bool:
+        """The view ended its business transaction below SQLAlchemy (the driver's ``commit()``
+        or ``rollback()``, a ``COMMIT`` through a raw cursor): its rows did not commit with its
+        answer (rolled back, or committed before it), so that answer must never be stored, and
+        the attempt can never prove it committed nothing."""
+        if not ended_outside(self):
+            return False
+        self.work_lost = self.committed = True
+        return True
+
+    def complete(self, snapshot: StoredResponse | None) -> bool:
+        """Complete the record with ``snapshot`` (None: ran, not storable) and commit the
+        business transaction with it, or roll that back when the token lost the record to a
+        takeover.
+
+        :returns: False when the lease was lost (the attempt's business writes rolled back).
+        :raises StoreUnavailable: nothing was committed; the caller gives up.
+        :raises CommitUncertain: the commit itself failed and may have gone through.
+        """
+        assert self.scope is not None and self.token is not None
+        if self.session is not None:
+            self.begin()  # the completion joins the session's transaction
+        if self.reservation is not None:
+            # An atomic claim's record: written once, completed, by the transaction holding it.
+            stored = self.reservation.complete(snapshot)
         else:
-            with translate_errors():
-                state.rollback()
-    state.finished = True
-    return stored
+            stored = self.app_state.store.complete(
+                self.scope,
+                self.token,
+                snapshot,
+                connection=self.connection,
+                created_at=self.created_at,
+            )
+        if self.connection is not None:
+            if stored:
+                self._finish()  # from here the commit is ours (see flow's atomic guard)
+                try:
+                    self.commit()
+                except sa.exc.SQLAlchemyError as exc:
+                    raise CommitUncertain(f"commit failed: {type(exc).__name__}") from exc
+            else:
+                with translate_errors():
+                    self.rollback()
+        self._finish()
+        return stored
 
+    def give_up(self, reason: str) -> None:
+        """Roll the business transaction back; release the key only when the attempt provably
+        committed nothing, else mark it ``unknown``."""
+        assert self.scope is not None and self.token is not None
+        self._finish()
+        self.stop_watching()
+        if ended_outside(self) or committed_elsewhere(self):
+            self.committed = True  # a driver committed below the commit guard
+        self.note_replaced_session()
+        self.rollback_quietly()
+        store = self.app_state.store
+        if self.releasable and self.atomic:
+            # The claim rolled back with the business transaction: nothing is left to give back.
+            self.emit(signals.released, reason=reason)
+            return
+        try:
+            if self.atomic:
+                # Its rows may be committed without their answer: the key must stay taken.
+                done = self._record_unknown()
+                signal = signals.unknown
+            elif self.releasable:
+                done = store.release(self.scope, self.token, created_at=self.created_at)
+                signal = signals.released
+            else:
+                done = store.mark_unknown(self.scope, self.token, created_at=self.created_at)
+                signal = signals.unknown
+        except StoreUnavailable:
+            # The lease runs out on its own; the record then counts as unknown, never free. A
+            # store failure this attempt already reported (its completion) is not counted twice.
+            if not self.store_failed:
+                self.emit(signals.store_unavailable, stage="give_up", reason=reason)
+            return
+        # The token no longer owns the record (a retry took it over): nothing changed here.
+        self.emit(signal if done else signals.lease_lost, reason=reason)
 
-def give_up(app_state: AppState, state: RequestState, reason: str) -> None:
-    """Roll the business transaction back; release the key only when the attempt provably
-    committed nothing, else mark it ``unknown``."""
-    assert state.scope is not None and state.token is not None
-    state.finished = True
-    stop_watching(app_state, state)
-    if ended_outside(state) or committed_elsewhere(state):
-        state.committed = True  # a driver committed below the commit guard
-    note_replaced_session(app_state, state)
-    rollback(state)
-    store = app_state.store
-    if state.releasable and state.atomic:
-        # The claim rolled back with the business transaction: nothing is left to give back.
-        emit(signals.released, state.scope, reason=reason)
-        return
-    try:
-        if state.atomic:
-            # Its rows may be committed without their answer: the key must stay taken.
-            done = _record_unknown(app_state, state)
-            signal = signals.unknown
-        elif state.releasable:
-            done = store.release(state.scope, state.token, created_at=created_at(state))
-            signal = signals.released
-        else:
-            done = store.mark_unknown(state.scope, state.token, created_at=created_at(state))
-            signal = signals.unknown
-    except StoreUnavailable:
-        # The lease runs out on its own; the record then counts as unknown, never free. A
-        # store failure this request already reported (its completion) is not counted twice.
-        if not state.store_failed:
-            emit(signals.store_unavailable, state.scope, stage="give_up", reason=reason)
-        return
-    # The token no longer owns the record (a retry took it over): nothing changed here.
-    emit(signal if done else signals.lease_lost, state.scope, reason=reason)
+    def store_failed_after_run(self, ran: str) -> bool:
+        """The result could not be recorded: report it once and give the key up.
 
-
-def note_ended_below(state: RequestState) -> bool:
-    """The view ended its business transaction below SQLAlchemy (the driver's ``commit()`` or
-    ``rollback()``, a ``COMMIT`` through a raw cursor): its rows did not commit with its
-    answer (rolled back, or committed before it), so that answer must never be stored, and
-    the attempt can never prove it committed nothing."""
-    if not ended_outside(state):
+        :param ran: who ran (``"view"``, ``"job"``), for the reason given.
+        :returns: True when its effects happened outside the business transaction (there
+            was none): the key stays taken, and the caller still gets what the run produced.
+        """
+        self.emit(signals.store_unavailable, stage="complete")
+        self.store_failed = True
+        if self.connection is None:
+            # Its effects happened outside our transaction: the key must stay taken.
+            self.contacted = True
+            self.give_up(f"the store failed after the {ran} ran")
+            return True
         return False
-    state.work_lost = state.committed = True
-    return True
 
+    def note_replaced_session(self) -> None:
+        """``db.session.remove()`` in the view: its writes in the removed session are gone, and
+        the fresh ``db.session`` it got is no business transaction of this attempt, so its
+        commits are neither refused nor seen. The attempt can never prove it committed nothing.
 
-def note_replaced_session(app_state: AppState, state: RequestState) -> None:
-    """``db.session.remove()`` in the view: its writes in the removed session are gone, and
-    the fresh ``db.session`` it got is no business transaction of this attempt, so its
-    commits are neither refused nor seen. The attempt can never prove it committed nothing.
+        (A ``close()`` or a caught refusal keeps the same session, whose next transaction is
+        still the business transaction, guarded: nothing more than ``work_lost``.)
+        """
+        sessions = self.app_state.sessions
+        if self.session is None or sessions is None:
+            return
+        if replaced(sessions.scoped, self.session):
+            self.work_lost = self.committed = True
+            try:
+                roll_back_fresh(sessions.scoped)
+            except sa.exc.SQLAlchemyError:
+                log.warning("rollback of the view's fresh db.session failed", exc_info=True)
 
-    (A ``close()`` or a caught refusal keeps the same session, whose next transaction is
-    still the business transaction, guarded: nothing more than ``work_lost``.)
-    """
-    if state.session is None or app_state.sessions is None:
-        return
-    if replaced(app_state.sessions.scoped, state.session):
-        state.work_lost = state.crashed = state.committed = True
-        try:
-            roll_back_fresh(app_state.sessions.scoped)
-        except sa.exc.SQLAlchemyError:
-            log.warning("rollback of the view's fresh db.session failed", exc_info=True)
+    def _record_unknown(self) -> bool:
+        """Leave an atomic attempt that committed on its own ``unknown``: its record, if the
+        commit published one (SQLite writes it at the claim), else a new one claimed for the
+        purpose."""
+        assert self.scope is not None and self.fingerprint is not None
+        settings = self.app_state.settings
+        ttl = getattr(self.options, "ttl", None) or settings.ttl
+        store = self.app_state.store
+        result = store.claim(self.scope, self.fingerprint, ttl=ttl, lease=settings.lease)
+        token = result.token if result.claimed else self.token
+        assert token is not None
+        return store.mark_unknown(self.scope, token, created_at=result.record.created_at)
 
-
-def _record_unknown(app_state: AppState, state: RequestState) -> bool:
-    """Leave an atomic attempt that committed on its own ``unknown``: its record, if the commit
-    published one (SQLite writes it at the claim), else a new one claimed for the purpose."""
-    assert state.scope is not None and state.fingerprint is not None
-    settings = app_state.settings
-    ttl = getattr(state.options, "ttl", None) or settings.ttl
-    store = app_state.store
-    result = store.claim(state.scope, state.fingerprint, ttl=ttl, lease=settings.lease)
-    token = result.token if result.claimed else state.token
-    assert token is not None
-    return store.mark_unknown(state.scope, token, created_at=result.record.created_at)
-
-
-def created_at(state: RequestState) -> t.Any:
-    # Tells PostgreSQL which partition holds the record (see ``Store.complete``).
-    return None if state.record is None else state.record.created_at
-
-
-def stop_watching(app_state: AppState, state: RequestState) -> None:
-    if state.watch is not None:
-        app_state.keeper.unwatch(state.watch)
-        state.watch = None
-
-
-def rollback(state: RequestState) -> None:
-    # The session may hold a transaction (and SQLite's write lock) of its own before the
-    # store's connection was ever asked for: roll it back too.
-    if state.connection is not None or state.session is not None:
-        try:
-            state.rollback()
-        except sa.exc.SQLAlchemyError as exc:
-            log.warning("rollback of the business transaction failed", exc_info=redacted(exc))
+    def stop_watching(self) -> None:
+        if self.watch is not None:
+            self.app_state.keeper.unwatch(self.watch)
+            self.watch = None

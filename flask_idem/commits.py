@@ -30,7 +30,7 @@ What counts, on the business transaction of a claimed attempt:
   flask_idem's own store statements aside: its rows stay, so the attempt is never released.
 
 A view that replaced ``db.session`` (``db.session.remove()``) is never released either
-(:func:`flask_idem.attempt.note_replaced_session`): the fresh session is no business
+(:meth:`flask_idem.attempt.Attempt.note_replaced_session`): the fresh session is no business
 transaction, so its commits are neither refused nor seen.
 
 In an atomic view, and on ``db.session``'s connection, the first two raise
@@ -39,7 +39,7 @@ refused ``commit()`` rolls the transaction back, so the view's answer is never s
 it catches the exception). So do the PostgreSQL store connections' own ends below SQLAlchemy
 (:func:`_refuse_below`, installed into :mod:`.store.commit_count`): seen only afterwards, a
 process killed in between would leave the rows published without their record. Otherwise
-they, and a commit on another connection, set :attr:`~flask_idem.state.RequestState.committed`.
+they, and a commit on another connection, set :attr:`~flask_idem.attempt.Attempt.committed`.
 
 The checks wrap the store engine's dialect (``do_commit``, ``do_rollback``, ``do_execute``)
 instead of listening to connection events: any connection event on an engine makes SQLAlchemy
@@ -61,8 +61,11 @@ import sqlalchemy as sa
 from flask import has_app_context
 
 from .sessions import SessionSettled, business_connections
-from .state import RequestState
+from .state import current_attempt
 from .store import commit_count
+
+if t.TYPE_CHECKING:
+    from .attempt import Attempt
 from .store.statements import ends_transaction, may_end
 
 _GUARDED = "flask_idem_commit_guard"
@@ -88,7 +91,7 @@ def guard_commits(engine: sa.Engine) -> None:
             # it back (SQLite's write lock held until the pool resets the connection): roll
             # back here. The view's writes are gone, so its answer is never stored.
             do_rollback(dbapi_connection)
-            state.work_lost = state.crashed = True
+            state.lose_work()
             raise SessionSettled(
                 "an atomic view, or one whose business transaction is db.session's, must not "
                 "commit it: flask_idem commits it with the stored response"
@@ -161,43 +164,43 @@ def _refuse_below(dbapi_connection: t.Any) -> None:
 commit_count.refuse_ends_with(_refuse_below)
 
 
-def _note_elsewhere(state: RequestState) -> None:
+def _note_elsewhere(state: Attempt) -> None:
     """A commit on another connection of the store's engine, in the attempt's context: what
     it wrote stays whatever the attempt does next (flask_idem's own primitives aside)."""
     if not commit_count.in_store_primitive():
         state.committed = True
 
 
-def _refused(state: RequestState) -> bool:
+def _refused(state: Attempt) -> bool:
     """An atomic claim would be published half-way; a session's transaction is the session's
     to settle (as ``db.session.commit()``, refused by :mod:`flask_idem.sessions`)."""
     return state.atomic or state.session is not None
 
 
-def _running_attempt() -> RequestState | None:
+def _running_attempt() -> Attempt | None:
     """The claimed attempt of this context while its view or job runs (flask_idem's own
     commit and rollback of it are not the view's)."""
     if not has_app_context():
         return None
-    state = RequestState.current()
-    if state is None or state.token is None or state.finished or state.settling:
+    attempt = current_attempt()
+    if attempt is None or not attempt.guarding:
         return None
-    return state
+    return attempt
 
 
-def _business(state: RequestState, is_it: t.Callable[[sa.Connection], bool]) -> bool:
+def _business(state: Attempt, is_it: t.Callable[[sa.Connection], bool]) -> bool:
     """Whether ``is_it`` picks out one of the attempt's business connections."""
     return any(is_it(c) for c in _connections(state))
 
 
-def _connections(state: RequestState) -> list[sa.Connection]:
+def _connections(state: Attempt) -> list[sa.Connection]:
     found = [] if state.connection is None else [state.connection]
     if state.session is not None:
         found += business_connections(state.session)
     return [c for c in found if not c.closed and not c.invalidated]
 
 
-def count_commits_from_now(state: RequestState) -> None:
+def count_commits_from_now(state: Attempt) -> None:
     """The attempt claimed: an end of its business transaction below SQLAlchemy counts from
     here (one opened later is counted from its start, see :func:`.commit_count.zero`), and so
     does a driver's commit on any connection of the store's engine in this context."""
@@ -206,13 +209,13 @@ def count_commits_from_now(state: RequestState) -> None:
         commit_count.zero(connection)
 
 
-def committed_elsewhere(state: RequestState) -> bool:
+def committed_elsewhere(state: Attempt) -> bool:
     """Whether the attempt's context committed below SQLAlchemy on some connection of the
     store's engine (``commit()`` of a driver connection, a raw cursor's ``COMMIT``)."""
     return state.tally is not None and state.tally.commits > 0
 
 
-def ended_outside(state: RequestState) -> bool:
+def ended_outside(state: Attempt) -> bool:
     """Whether the attempt's business transaction was committed or rolled back below
     SQLAlchemy, behind the guard's back: its driver connection counted an end (its own
     ``commit()`` or ``rollback()``, a ``COMMIT`` through a raw cursor), or SQLAlchemy still

@@ -46,7 +46,6 @@ from .core import signals
 from .core.idempotency_keys import key_hash
 from .core.record import Scope
 from .observers import call_observer, observer_name
-from .state import RequestState
 
 log = logging.getLogger("flask_idem.events")
 
@@ -86,23 +85,24 @@ def event_name(signal: NamedSignal) -> str:
 
 
 def emit(
-    signal: NamedSignal, scope: Scope, *, fingerprint: bytes | None = None, **extra: t.Any
+    signal: NamedSignal,
+    scope: Scope,
+    *,
+    fingerprint: bytes | None = None,
+    since: float | None = None,
+    **extra: t.Any,
 ) -> None:
     """Send ``signal`` for ``scope`` and log the transition once.
 
-    Duration and fingerprint come from the current request's (or job's) state when it holds
-    ``scope``; ``fingerprint`` is given by callers outside a request (reconcilers, the CLI).
+    An attempt (:meth:`flask_idem.attempt.Attempt.emit`) gives its fingerprint and its clock:
+    ``since`` is the ``time.monotonic()`` the duration counts from. Callers outside an attempt
+    (reconcilers, the CLI) give the fingerprint they know, and no duration.
     """
     level = _LEVELS.get(signal, logging.INFO)
     logged = log.isEnabledFor(level)
     if not signal.receivers and not logged:
         return  # the common case: nobody listens, so skip hashing the key
-    duration = None
-    state = RequestState.current()
-    if state is not None and state.scope == scope:
-        fingerprint = fingerprint or state.fingerprint
-        started = state.started if state.view_started is None else state.view_started
-        duration = time.monotonic() - started
+    duration = None if since is None else time.monotonic() - since
     fields: dict[str, t.Any] = {
         "event": event_name(signal),
         "tenant": scope.tenant,

@@ -26,6 +26,10 @@ gives back altered, or nested too deeply), or
 larger than ``IDEMPOTENCY_MAX_BODY``
 lost its lease to a re-run                     the taker's                ``JobInProgress`` (the
                                                                           first run raises it)
+ended its business transaction itself         released if releasable,    as released or
+(``db.session.close()`` or ``remove()``, the   else ``unknown``; never    ``unknown``; the run
+driver's ``commit()`` or ``rollback()``)       its result                 raises
+                                                                          ``JobOutcomePending``
 same key with other arguments                  unchanged                  ``JobKeyReused``
 the store fails at the claim                   nothing                    ``StoreUnavailable``
 =============================================  =========================  ======================
@@ -50,24 +54,10 @@ import typing as t
 
 from flask import current_app, has_app_context, has_request_context
 
-from .attempt import (
-    Found,
-    classify,
-    emit,
-    give_up,
-    note_ended_below,
-    own,
-    stop_watching,
-    store_result,
-    take_over,
-)
+from .attempt import OUTCOMES, Attempt, Failure, Found, classify
 from .core import signals
 from .core.errors import (
     ConfigurationError,
-    JobError,
-    JobInProgress,
-    JobKeyReused,
-    JobOutcomePending,
     JobRefused,
     JobResultNotStored,
     JobResultUnreadable,
@@ -77,7 +67,7 @@ from .core.fingerprint import fingerprint as canonical_fingerprint
 from .core.idempotency_keys import check_key, key_hash
 from .core.options import JobArgument, JobOptions
 from .core.record import Record, Scope, StoredResponse
-from .state import AppState, RequestState
+from .state import AppState
 from .store.sql import translate_errors
 
 P = t.ParamSpec("P")
@@ -90,14 +80,6 @@ JOB_ATTRIBUTE = "__idempotency_job__"
 _RESULT_HEADERS = (("Content-Type", "application/json"),)
 
 log = logging.getLogger("flask_idem")
-
-#: What a redelivery raises for each decision that does not replay or run (``Found``).
-_REFUSALS: dict[Found, tuple[type[JobError], str]] = {
-    Found.MISMATCH: (JobKeyReused, "was already used with other arguments"),
-    Found.UNSTORED: (JobResultNotStored, "ran, but its result was not storable"),
-    Found.RUNNING: (JobInProgress, "is being run by another worker"),
-    Found.PENDING: (JobOutcomePending, "may have run but its outcome is unknown"),
-}
 
 
 def job(options: JobOptions) -> t.Callable[[t.Callable[P, R]], t.Callable[P, R]]:
@@ -136,19 +118,19 @@ def _run(
         return _unprotected(app_state, function, call)
     _refuse_a_shared_session(app_state, options)
     scope = Scope(_tenant(options, call), options.endpoint, _key(options, call))
-    with _attached(RequestState(scope, options)) as state:
-        app_state.start_trace(state)
+    with _attached(Attempt(app_state, scope, options)) as attempt:
+        attempt.start_trace()
         try:
-            stored = _claim(app_state, state, _fingerprint(options, call))
+            stored = _claim(attempt, options, _fingerprint(options, call))
             if stored is not None:
-                return _replayed(stored)
-            return _execute(app_state, state, current_app.ensure_sync(function), call)
+                return _replayed(attempt, stored)
+            return _execute(attempt, current_app.ensure_sync(function), call)
         finally:
-            if state.token is not None and not state.finished and state.watch is not None:
+            if attempt.holding and attempt.watch is not None:
                 # Raised between the claim and the job's end (never by the job itself, whose
                 # failures _execute gives up): a lease renewed for as long as the worker lives
                 # would refuse every redelivery until the queue drops the message.
-                give_up(app_state, state, "the job ended before its outcome was recorded")
+                attempt.give_up("the job ended before its outcome was recorded")
 
 
 def _refuse_a_shared_session(app_state: AppState, options: JobOptions) -> None:
@@ -156,8 +138,8 @@ def _refuse_a_shared_session(app_state: AppState, options: JobOptions) -> None:
     the protected view (or job) it would run inside: its completion would commit that
     transaction half-way, publishing the outer writes without their record and, for an atomic
     view, releasing its hold on the key, so a retry would run the view again."""
-    outer = RequestState.current()
-    if app_state.sessions is None or outer is None or outer.token is None or outer.finished:
+    outer = Attempt.current()
+    if app_state.sessions is None or outer is None or not outer.holding:
         return
     raise RuntimeError(
         f"job {options.name!r} cannot run inside a protected request or job with "
@@ -167,17 +149,17 @@ def _refuse_a_shared_session(app_state: AppState, options: JobOptions) -> None:
 
 
 @contextlib.contextmanager
-def _attached(state: RequestState) -> t.Iterator[RequestState]:
-    """The job's state on ``flask.g`` while it runs; a job run from a view or from another job
-    gives the outer state back afterwards."""
-    outer = RequestState.current()
-    state.attach()
+def _attached(attempt: Attempt) -> t.Iterator[Attempt]:
+    """The job's attempt on ``flask.g`` while it runs; a job run from a view or from another
+    job gives the outer attempt back afterwards."""
+    outer = Attempt.current()
+    attempt.attach()
     try:
-        yield state
+        yield attempt
     finally:
-        state.close()
+        attempt.close()
         if outer is None:
-            RequestState.detach()
+            Attempt.detach()
         else:
             outer.attach()
 
@@ -190,83 +172,63 @@ def _unprotected(
     and rolls back when it raises, as when it is protected."""
     # A worker's job settles db.session; one called inside a request or another job shares
     # the caller's session and leaves it to the caller.
-    own_session = RequestState.current() is None and not has_request_context()
-    with _attached(RequestState(None, None)) as state:
+    own_session = Attempt.current() is None and not has_request_context()
+    with _attached(Attempt(app_state, None, None)) as attempt:
         if app_state.sessions is not None and own_session:
-            app_state.attach_session(state)
+            attempt.attach_session()
         value = current_app.ensure_sync(function)(*call.args, **call.kwargs)
         with translate_errors():
-            state.commit()
+            attempt.commit()
         return value
 
 
-def _claim(app_state: AppState, state: RequestState, digest: bytes) -> Record | None:
+def _claim(attempt: Attempt, options: JobOptions, digest: bytes) -> Record | None:
     """Take the message's key, or: the completed record to replay (returned), or a refusal
     (raised). None when the job may run."""
-    assert state.scope is not None and isinstance(state.options, JobOptions)
-    options = state.options
-    lease = options.lease or app_state.settings.lease
-    state.fingerprint = digest
+    assert attempt.scope is not None
+    settings = attempt.app_state.settings
+    lease = options.lease or settings.lease
     try:
-        claim = app_state.store.claim(
-            state.scope, digest, ttl=options.ttl or app_state.settings.ttl, lease=lease
-        )
-        if not claim.claimed:
-            record = claim.record
-            if record.damaged is not None:
+        record = attempt.claim(digest, ttl=options.ttl or settings.ttl, lease=lease)
+        if record is None:
+            return None
+        if record.damaged is not None:
+            log.error(
+                "stored job record damaged: %s",
+                record.damaged,
+                extra={"key_hash": key_hash(attempt.scope)},
+            )
+            raise JobResultUnreadable(
+                f"job {options.name}: its stored record is damaged ({record.damaged}); "
+                "redeliver once an operator has repaired or deleted it"
+            )
+        found = classify(record, digest, options.recovery)
+        if found is Found.COMPLETED:
+            if record.unreadable is not None:
+                # Never a garbage result, never a second run: wait for the key to return.
                 log.error(
-                    "stored job record damaged: %s",
-                    record.damaged,
-                    extra={"key_hash": key_hash(state.scope)},
+                    "stored job result unreadable: %s",
+                    record.unreadable,
+                    extra={"key_hash": key_hash(attempt.scope)},
                 )
                 raise JobResultUnreadable(
-                    f"job {options.name}: its stored record is damaged ({record.damaged}); "
-                    "redeliver once an operator has repaired or deleted it"
+                    f"job {options.name} ran, but its stored result cannot be decrypted "
+                    f"here ({record.unreadable}); redeliver once the key is configured"
                 )
-            found = classify(record, digest, options.recovery)
-            if found is Found.COMPLETED:
-                if record.unreadable is not None:
-                    # Never a garbage result, never a second run: wait for the key to return.
-                    log.error(
-                        "stored job result unreadable: %s",
-                        record.unreadable,
-                        extra={"key_hash": key_hash(state.scope)},
-                    )
-                    raise JobResultUnreadable(
-                        f"job {options.name} ran, but its stored result cannot be decrypted "
-                        f"here ({record.unreadable}); redeliver once the key is configured"
-                    )
-                return record
-            taken = take_over(app_state, record, lease) if found is Found.RERUN else None
-            if taken is None:
-                raise _refusal(Found.RUNNING if found is Found.RERUN else found, record)
-            claim = taken
+            return record
+        if found is Found.RERUN and attempt.take_over(record, lease):
+            return None
+        # A re-run another worker took over first is running there.
+        refusal = attempt.emit_found(Found.RUNNING if found is Found.RERUN else found, record)
+        raise refusal.job(record.scope, retry_after=max(1.0, record.lease_remaining))
     except StoreUnavailable:
-        emit(signals.store_unavailable, state.scope, stage="claim")
+        attempt.emit(signals.store_unavailable, stage="claim")
         raise
-    own(app_state, state, claim, lease)
-    return None
 
 
-def _refusal(found: Found, record: Record) -> JobError:
-    error, what = _REFUSALS[found]
-    if found is Found.MISMATCH:
-        emit(signals.mismatch, record.scope, state=record.state.value)
-    elif found is Found.RUNNING:
-        emit(signals.conflict, record.scope)
-    elif found is Found.PENDING:
-        emit(signals.pending, record.scope, state=record.state.value)
-    else:
-        emit(signals.not_stored, record.scope)
-    return error(
-        f"{record.scope.endpoint} message {key_hash(record.scope)} {what}",
-        retry_after=max(1.0, record.lease_remaining),
-    )
-
-
-def _replayed(record: Record) -> t.Any:
+def _replayed(attempt: Attempt, record: Record) -> t.Any:
     assert record.response is not None
-    emit(signals.replayed, record.scope, status=record.response.status)
+    attempt.emit(signals.replayed, status=record.response.status)
     try:
         return json.loads(record.response.body)
     except (ValueError, RecursionError):
@@ -278,60 +240,53 @@ def _replayed(record: Record) -> t.Any:
 
 
 def _execute(
-    app_state: AppState,
-    state: RequestState,
-    function: t.Callable[..., t.Any],
-    call: inspect.BoundArguments,
+    attempt: Attempt, function: t.Callable[..., t.Any], call: inspect.BoundArguments
 ) -> t.Any:
-    assert state.scope is not None
+    assert attempt.scope is not None
     try:
         value = function(*call.args, **call.kwargs)
     except JobRefused:
-        state.refused = True  # idem.refuse() ended the run: it did nothing
-        state.completing()
-        give_up(app_state, state, "the job refused to run")
+        attempt.refuse()  # idem.refuse() ended the run: it did nothing
+        attempt.completing()
+        attempt.give_up("the job refused to run")
         raise
     except BaseException as exc:
         # Also SystemExit and KeyboardInterrupt: a worker told to stop mid-job.
-        state.crashed = True
-        state.failed(exc)
-        state.completing()
-        give_up(app_state, state, "the job raised an exception")
+        attempt.crash()
+        attempt.failed(exc)
+        attempt.completing()
+        attempt.give_up("the job raised an exception")
         raise
-    state.completing()
-    stop_watching(app_state, state)
-    digest = key_hash(state.scope)
-    if note_ended_below(state):
-        # Its rows did not commit with its result: never stored, the key left unknown.
-        give_up(app_state, state, "the job ended its business transaction below SQLAlchemy")
-        raise JobOutcomePending(
-            f"{state.scope.endpoint} message {digest} ended its database transaction itself: "
-            "its result was not recorded and its effect is unknown"
-        )
-    snapshot = _snapshot(app_state, value)
+    attempt.completing()
+    attempt.stop_watching()
+    attempt.note_replaced_session()
+    if attempt.work_lost:
+        lost = "the job ended its business transaction itself"
+    elif attempt.note_ended_below():
+        lost = "the job ended its business transaction below SQLAlchemy"
+    else:
+        lost = None
+    if lost is not None:
+        # Its rows are gone, or did not commit with its result: never stored (a view's answer
+        # is refused the same way), the key never given back as if nothing had happened.
+        attempt.give_up(lost)
+        raise OUTCOMES[Failure.WORK_LOST].job(attempt.scope)
+    snapshot = _snapshot(attempt.app_state, value)
     try:
-        stored = store_result(app_state, state, snapshot)
+        stored = attempt.complete(snapshot)
     except StoreUnavailable:
-        emit(signals.store_unavailable, state.scope, stage="complete")
-        if state.connection is None:
-            # Its effects happened outside our transaction: the key stays taken.
-            state.contacted = True
-            give_up(app_state, state, "the store failed after the job ran")
+        if attempt.store_failed_after_run("job"):
             return value
-        give_up(app_state, state, "the store failed before the commit")
+        attempt.give_up("the store failed before the commit")
         raise
     if not stored:
-        emit(signals.lease_lost, state.scope)
-        raise JobInProgress(
-            f"{state.scope.endpoint} message {digest} lost its lease to a re-run; its writes "
-            "were rolled back"
-        )
-    emit(signals.completed, state.scope, status=200, stored=snapshot is not None)
+        raise attempt.emit_found(Failure.LEASE_LOST).job(attempt.scope)
+    attempt.emit(signals.completed, status=200, stored=snapshot is not None)
     if snapshot is None:
         log.warning(
             "job result not stored (not JSON, or larger than IDEMPOTENCY_MAX_BODY); "
             "redeliveries get JobResultNotStored",
-            extra={"key_hash": digest},
+            extra={"key_hash": key_hash(attempt.scope)},
         )
     return value
 

@@ -34,8 +34,11 @@ import sqlalchemy as sa
 from flask import Flask
 
 from .core.errors import ConfigurationError, IdempotencyError
-from .state import SESSION_STATE, RequestState
+from .state import SESSION_STATE
 from .store import commit_count, normalize_url
+
+if t.TYPE_CHECKING:
+    from .attempt import Attempt
 
 #: ``app.extensions`` key of Flask-SQLAlchemy.
 EXTENSION_KEY = "sqlalchemy"
@@ -184,11 +187,13 @@ def _forget_rollback(session: t.Any, _previous: t.Any) -> None:
     session.info.pop(_FLUSHED, None)
 
 
-def _claimed(session: t.Any) -> RequestState | None:
-    state = t.cast("RequestState | None", session.info.get(SESSION_STATE))
-    if state is None or state.settling or state.token is None or state.finished:
+def _claimed(session: t.Any) -> Attempt | None:
+    """The attempt holding a key whose business transaction the session is, while its view or
+    job may write it (not while flask_idem itself settles it)."""
+    attempt = t.cast("Attempt | None", session.info.get(SESSION_STATE))
+    if attempt is None or not attempt.guarding:
         return None
-    return state
+    return attempt
 
 
 #: ``session.info`` key: the connections of the session's current (outermost) transaction.
@@ -227,9 +232,9 @@ def _note_end(session: t.Any, transaction: t.Any) -> None:
     if transaction.parent is not None:
         return  # a savepoint: the business transaction goes on
     session.info.pop(_CONNECTIONS, None)
-    state = _claimed(session)
-    if state is not None and not state.answered:
-        state.work_lost = state.crashed = True
+    attempt = _claimed(session)
+    if attempt is not None and attempt.view_running:
+        attempt.lose_work()
 
 
 def _refuse_commit(session: t.Any) -> None:
@@ -242,8 +247,8 @@ def _refuse_commit(session: t.Any) -> None:
 
 
 def _refuse_rollback(session: t.Any, previous_transaction: t.Any) -> None:
-    state = _claimed(session)
-    if previous_transaction.parent is None and state is not None and not state.answered:
+    attempt = _claimed(session)
+    if previous_transaction.parent is None and attempt is not None and attempt.view_running:
         raise SessionSettled(
             "db.session.rollback() in a protected view: raise an exception (or return an "
             "error response) instead, and flask_idem rolls the transaction back"

@@ -29,12 +29,13 @@ import typing as t
 from blinker import NamedSignal
 from flask import Flask
 
+from ..attempt import Attempt
 from ..core import __version__, signals
 from ..core.config import Settings
 from ..core.errors import ConfigurationError
 from ..core.idempotency_keys import key_hash
 from ..core.options import JobOptions
-from ..state import EXTENSION_NAME, RequestState
+from ..state import EXTENSION_NAME
 from . import counting
 from .counting import AT_CLAIM, CLAIM_BUCKETS, DESCRIPTIONS, VIEW_BUCKETS, Recorder
 
@@ -114,17 +115,17 @@ class Telemetry(Recorder):
 
     # -- the spans ------------------------------------------------------------------------
 
-    def begin(self, state: RequestState) -> AttemptSpan:
+    def begin(self, state: Attempt) -> AttemptSpan:
         """The trace of a claimed attempt (``AppState.tracer``)."""
         return AttemptSpan(self.tracer, state)
 
     def receive(self, signal: NamedSignal, **event: t.Any) -> None:
         """Count one transition, and add it to the span of the attempt it belongs to."""
         super().receive(signal, **event)
-        state = RequestState.current()
-        attempt = None if state is None else state.trace
-        if isinstance(attempt, AttemptSpan) and attempt.follows(event):
-            attempt.transition(signal, event)
+        current = Attempt.current()
+        span = None if current is None else current.trace
+        if isinstance(span, AttemptSpan) and span.follows(event):
+            span.transition(signal, event)
 
 
 def _with_tenant(attributes: dict[str, str | int], tenant: str | None) -> dict[str, str | int]:
@@ -136,7 +137,7 @@ def _with_tenant(attributes: dict[str, str | int], tenant: str | None) -> dict[s
 class AttemptSpan:
     """The span of one attempt and the span of its current phase (see the module)."""
 
-    def __init__(self, tracer: trace.Tracer, state: RequestState) -> None:
+    def __init__(self, tracer: trace.Tracer, state: Attempt) -> None:
         assert state.scope is not None
         self._tracer = tracer
         self.scope = state.scope

@@ -1,7 +1,9 @@
 """The Flask extension: registration, the per-view decorator and the helpers views call.
 
-The request flow itself (claim, replay, finish, give up) is :mod:`flask_idem.web.flow`; jobs are
-:mod:`flask_idem.jobs`, the next-day check :mod:`flask_idem.ops.downstream`.
+How a view becomes protected (the guards, which options apply) is :mod:`flask_idem.web.guard`;
+the request flow itself (claim, replay, finish, give up) is :mod:`flask_idem.web.flow`, around
+the attempt (:mod:`flask_idem.attempt`); jobs are :mod:`flask_idem.jobs`, the next-day check
+:mod:`flask_idem.ops.downstream`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing_extensions import Unpack
 from werkzeug.exceptions import InternalServerError
 
 from .. import jobs
+from ..attempt import Attempt
 from ..commits import guard_commits
 from ..core.body import read_body
 from ..core.config import Settings
@@ -44,9 +47,9 @@ from ..core.sealing import Sealer
 from ..lease import LeaseKeeper
 from ..sessions import EXTENSION_KEY as SQLALCHEMY_EXTENSION
 from ..sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
-from ..state import EXTENSION_NAME, AppState, RequestState
+from ..state import EXTENSION_NAME, AppState
 from ..store import RequestStore, Store, create_store, operator_store
-from . import flow
+from . import flow, guard
 
 if t.TYPE_CHECKING:
     from ..ops.downstream import Lookup, LookupTarget
@@ -160,12 +163,12 @@ class Idempotency:
         app.cli.add_command(idem_group)
         if settings.blueprint_prefix is not None:
             app.register_blueprint(create_blueprint(self), url_prefix=settings.blueprint_prefix)
-        app.before_request(self._guard_view)
+        app.before_request(guard.outer_guard)
         # Flask runs after_request hooks in reverse: this one before the hooks registered
         # earlier. The operation is recorded once the view answered; a hook failing after that
         # (a metrics or audit exporter) does not undo it: the client's retry replays it, and
         # a hook that commits the session, compresses or signs the body sees it settled.
-        app.after_request(flow.finish)
+        app.after_request(guard.finish)
         app.teardown_request(flow.teardown)
         got_request_exception.connect(_mark_crashed, app, weak=False)
         # Unhandled exceptions in protected views answer problem+json; an application's own
@@ -366,7 +369,7 @@ class Idempotency:
         declared = ViewOptions.build("Idempotency.idempotent", ViewOptionArgs, options)
 
         def decorate(function: t.Callable[P, R]) -> t.Callable[P, R]:
-            guarded = flow.guard(function, declared)
+            guarded = guard.guard(function, declared)
             setattr(guarded, OPTIONS_ATTRIBUTE, declared)
             return guarded
 
@@ -392,48 +395,11 @@ class Idempotency:
             "Idempotency.protect_blueprint", BlueprintOptionArgs, options
         )
 
-    def options_for(
-        self, settings: Settings, declared: ViewOptions | None = None
-    ) -> ViewOptions | None:
-        """The protection the current request claims with, or None when it claims nothing
-        (an unprotected view, ``IDEMPOTENCY_ENABLED`` off, a method outside
-        ``IDEMPOTENCY_METHODS``).
-
-        :param declared: the options of the ``@idem.idempotent`` guard asking, if any.
-        """
-        if not settings.enabled or request.method not in settings.methods:
-            return None
-        return self.protection(settings, declared)
-
-    def protection(
-        self, settings: Settings, declared: ViewOptions | None = None
-    ) -> ViewOptions | None:
-        """How the current request's view is protected, or None when it is not, whether or
-        not this request claims: a protected view's unclaimed requests still have their
-        business transaction settled as a claimed request's would be.
-
-        :param declared: the options of the ``@idem.idempotent`` guard asking, if any.
-        """
-        if request.url_rule is None:
-            return None
-        if declared is None:
-            view = current_app.view_functions.get(request.endpoint or "")
-            found = flow.find_guard(view, request.method)
-            declared = t.cast(
-                "ViewOptions | None",
-                getattr(found if found is not None else view, OPTIONS_ATTRIBUTE, None),
-            )
-        if declared is EXEMPT:
-            return None
-        if declared is not None:
-            return declared
-        # By blueprint object: a blueprint registered twice (name=...) or nested
-        # ("api.child") is protected wherever it is mounted.
-        for name in request.blueprints:
-            blueprint = current_app.blueprints.get(name)
-            if blueprint is not None and blueprint in self._blueprints:
-                return self._blueprints[blueprint]
-        return ViewOptions() if settings.protect_all else None
+    @property
+    def protected_blueprints(self) -> t.Mapping[Blueprint, ViewOptions]:
+        """The blueprints :meth:`protect_blueprint` protects, with their options (see
+        :func:`flask_idem.web.guard.protection`)."""
+        return types.MappingProxyType(self._blueprints)
 
     # -- helpers for views ----------------------------------------------------------------
 
@@ -443,10 +409,10 @@ class Idempotency:
         From now on a failure leaves the key ``unknown`` (a retry re-runs the operation only
         on a ``recovery="reexecute"`` view, as the same operation), never released.
         """
-        state = RequestState.current()
-        if state is not None:
-            _refuse_in_atomic(state, "side_effect()")
-            state.contacted = True
+        attempt = Attempt.current()
+        if attempt is not None:
+            _refuse_in_atomic(attempt, "side_effect()")
+            attempt.contacted = True
 
     def refuse(self, rv: ResponseReturnValue) -> t.NoReturn:
         """Answer ``rv`` as a refusal, now: the view did nothing, so the key is given back.
@@ -466,8 +432,8 @@ class Idempotency:
         :class:`~flask_idem.core.errors.JobRefused` carrying ``rv`` (retryable: the redelivery runs
         the job again). Without ``refuse`` a plain view's failure leaves the key ``unknown``.
         """
-        state = RequestState.current()
-        if not has_request_context() or isinstance(getattr(state, "options", None), JobOptions):
+        attempt = Attempt.current()
+        if not has_request_context() or isinstance(getattr(attempt, "options", None), JobOptions):
             raise JobRefused("the job refused to run; redeliver it later", value=rv)
         raise flow.Refusal(current_app.make_response(rv))
 
@@ -491,7 +457,7 @@ class Idempotency:
         Writes made here commit in the same transaction as the stored response (no crash
         window between them), or roll back with it when the attempt fails.
         """
-        return AppState.current().begin(RequestState.ensure())
+        return Attempt.ensure().begin()
 
     def downstream_key(self, step: str) -> str:
         """A deterministic key for a downstream call (payment provider) of this operation.
@@ -500,36 +466,16 @@ class Idempotency:
         re-run of an unknown outcome). Asking for it declares contact with the outside world
         (see :meth:`side_effect`): the caller is about to use it.
         """
-        state = RequestState.current()
-        if (state is None or state.record is None) and not AppState.current().settings.enabled:
+        attempt = Attempt.current()
+        if (attempt is None or attempt.record is None) and not AppState.current().settings.enabled:
             return _unprotected_key(step)
-        if state is None or state.record is None:
+        if attempt is None or attempt.record is None:
             raise RuntimeError(
                 "downstream_key() needs a request or a job that holds an idempotency key"
             )
-        _refuse_in_atomic(state, "downstream_key()")
-        state.contacted = True
-        return derive_key(state.record, step)
-
-    # -- hooks ------------------------------------------------------------------------------
-
-    def _guard_view(self) -> None:
-        """Put the outer guard around a protected endpoint's whole view function, once.
-
-        It claims for blueprint-wide and app-wide protection; around a view that holds its
-        own ``@idem.idempotent`` guard under other decorators, it only watches: exceptions
-        raised by those decorators are crashes too.
-        """
-        endpoint = request.endpoint
-        view = current_app.view_functions.get(endpoint or "")
-        if view is None or getattr(view, flow.GUARD_ATTRIBUTE, None) is view:
-            return
-        settings = AppState.current().settings
-        if self.options_for(settings) is not None or (
-            request.method not in flow.SAFE_METHODS and self.protection(settings) is not None
-        ):
-            assert endpoint is not None
-            current_app.view_functions[endpoint] = flow.guard(view)  # type: ignore[assignment]
+        _refuse_in_atomic(attempt, "downstream_key()")
+        attempt.contacted = True
+        return derive_key(attempt.record, step)
 
 
 def _unmanaged(app: Flask) -> t.Any:
@@ -547,8 +493,8 @@ def _unprotected_key(step: str) -> str:
     return keys.setdefault(step, f"unprotected-{step}-{secrets.token_hex(12)}")
 
 
-def _refuse_in_atomic(state: RequestState, call: str) -> None:
-    if state.atomic:
+def _refuse_in_atomic(attempt: Attempt, call: str) -> None:
+    if attempt.atomic:
         # A crash rolls an atomic view back and frees its key: an external call made
         # meanwhile would then run again on the retry. Such a view needs the durable claim.
         raise RuntimeError(
@@ -560,9 +506,9 @@ def _refuse_in_atomic(state: RequestState, call: str) -> None:
 def _mark_crashed(sender: Flask, exception: BaseException, **_: t.Any) -> None:
     # Any unhandled exception in a claimed request (an after_request hook of another
     # extension, ...) also counts as a crash: never store the 500 it becomes.
-    state = RequestState.current()
-    if state is not None:
-        state.crashed = True
+    attempt = Attempt.current()
+    if attempt is not None:
+        attempt.crash()
 
 
 def _ensure_partitions(store: Store, ahead: int) -> None:

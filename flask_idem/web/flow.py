@@ -1,11 +1,9 @@
-"""The request state machine of a protected endpoint, top to bottom.
+"""The HTTP adapter of an attempt: a protected request, top to bottom.
 
-A protected view is *guarded*: the claim runs when Flask dispatches to the view, so after every
-``before_request`` hook (authentication, rate limits) and after every decorator above
-``@idem.idempotent`` (authorization): nothing is replayed, and no 409 or 422 is answered, to a
-caller the view would refuse. Then:
+The guard (:mod:`.guard`) calls in when Flask dispatches to a protected view, after every
+``before_request`` hook and every decorator above ``@idem.idempotent``. Then:
 
-``enter``   read the key (400), resolve the tenant, fingerprint the request, claim; a record
+``claim``   read the key (400), resolve the tenant, fingerprint the request, claim; a record
             already holding the key answers instead of the view (``answer_existing``);
 ``run``     the view runs; an exception it raises marks the request *crashed*, whatever error
             handler renders it afterwards (a raised ``HTTPException`` is an answer, not a crash);
@@ -28,7 +26,9 @@ handlers.
 
 The decisions that do not depend on HTTP (what an existing record leads to, giving up,
 recording the result) live in :mod:`flask_idem.attempt`, shared with background jobs
-(:mod:`flask_idem.jobs`), so that a view and a job follow one outcome model.
+(:mod:`flask_idem.jobs`), so that a view and a job follow one outcome model: what to do next is
+read from the attempt's phase, and what a found record or a failure answers from
+:data:`flask_idem.attempt.OUTCOMES` (its HTTP column).
 
 The outcome table (the behaviour contract; README mirrors it):
 
@@ -72,13 +72,9 @@ nothing is ever ``unknown``). A duplicate that finds the scope locked answers 40
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import inspect
-import itertools
 import logging
 import time
-import types
 import typing as t
 
 from flask import Request, current_app, request
@@ -86,25 +82,11 @@ from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
 
-from ..attempt import (
-    CommitUncertain,
-    Found,
-    classify,
-    emit,
-    give_up,
-    note_ended_below,
-    note_replaced_session,
-    own,
-    rollback,
-    stop_watching,
-    store_result,
-    take_over,
-)
-from ..commits import count_commits_from_now
+from ..attempt import OUTCOMES, Attempt, CommitUncertain, Failure, Found, Phase, classify
 from ..core import signals
 from ..core.body import read_body
 from ..core.config import Settings
-from ..core.errors import GuardNotFound, StoreUnavailable
+from ..core.errors import StoreUnavailable
 from ..core.fingerprint import fingerprint as canonical_fingerprint
 from ..core.idempotency_keys import InvalidKey, check_key, echo_of_invalid, key_hash, read_key
 from ..core.options import ViewOptions
@@ -112,207 +94,24 @@ from ..core.problem import (
     InternalError,
     KeyInvalid,
     KeyMissing,
-    KeyReused,
-    OutcomePending,
     Problem,
-    RequestInProgress,
-    ResponseNotStored,
     StoreUnavailableProblem,
     TenantUnresolved,
     unreadable_problem,
 )
-from ..core.record import STORABLE_STATUSES, ClaimResult, Record, Scope, StoredResponse
+from ..core.record import STORABLE_STATUSES, Record, Scope, StoredResponse
 from ..core.snapshot import response_snapshot
 from ..sessions import has_unmanaged_writes
-from ..state import AppState, RequestState
-from ..store.engines import OneDeadline
+from ..state import AppState
 from ..store.messages import redacted
 from ..store.sql import translate_errors
 
-P = t.ParamSpec("P")
-R = t.TypeVar("R")
-
 _WAIT_STEP = 0.05
-#: 409 ``request-in-progress`` hints this many seconds: the lease says when an owner counts
-#: as gone, not when it finishes, and most requests finish within a second.
-IN_FLIGHT_RETRY_AFTER = 1
-#: A guard's reference to itself, also found on wrappers that copied its ``__dict__``.
-GUARD_ATTRIBUTE = "__idempotency_guard__"
-#: How deep to look through decorators and view classes for a guard (see ``find_guard``).
-_SEARCH_LIMIT = 64
 
 log = logging.getLogger("flask_idem")
 
 
-def guard(view: t.Callable[P, R], options: ViewOptions | None = None) -> t.Callable[P, R]:
-    """Wrap a view so that protected requests claim when it is called.
-
-    With ``options`` (``@idem.idempotent``) the guard claims with them. Without, it is the
-    outer guard ``init_app`` puts around a protected endpoint's whole view function: it claims
-    with the blueprint's or the app's options, or, when the view holds a guard of its own
-    deeper down, leaves the claim to that one (after the decorators above it) and only watches
-    for exceptions raised around it.
-    """
-
-    # Flask's own ensure_sync returns a plain function as it is: asked once, not per request.
-    asynchronous = inspect.iscoroutinefunction(view)
-
-    @functools.wraps(view)
-    def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
-        return t.cast(R, enter(view, args, kwargs, options, asynchronous=asynchronous))
-
-    setattr(guarded, GUARD_ATTRIBUTE, guarded)
-    return guarded
-
-
-def find_guard(view: t.Any, method: str) -> t.Any:
-    """The ``@idem.idempotent`` guard inside a view function, or None.
-
-    Looks through decorators (``__wrapped__``, closures, default arguments), what a
-    decorator's wrapper holds when it is no function (a ``functools.partial``'s function and
-    arguments, a bound method's function and object, a callable object's attributes, in
-    ``__dict__`` or ``__slots__``), the lists, tuples, sets and dicts any of these hold, and
-    class-based views (``MethodView``: the method's function). The search is bounded and
-    cannot see everything (a module-level registry, say): a guard it misses refuses to run
-    under the outer guard's claim (:class:`~flask_idem.core.errors.GuardNotFound`), because the
-    decorators above it would come too late to refuse a replay.
-    """
-    pending: list[t.Any] = [view]
-    seen: set[int] = set()
-    while pending and len(seen) < _SEARCH_LIMIT:
-        held = pending.pop()
-        if id(held) in seen:
-            continue
-        if isinstance(held, list | tuple | set | frozenset | dict):
-            seen.add(id(held))
-            items = held.values() if isinstance(held, dict) else held
-            pending.extend(itertools.islice(items, _SEARCH_LIMIT))  # a large one costs no more
-            continue
-        if not callable(held):
-            continue
-        seen.add(id(held))
-        found = getattr(held, GUARD_ATTRIBUTE, None)
-        if found is not None:
-            return found
-        view_class = getattr(held, "view_class", None)
-        if view_class is not None:
-            pending.append(getattr(view_class, method.lower(), None))
-        pending.append(getattr(held, "__wrapped__", None))
-        pending.extend(_held_callables(held))
-    return None
-
-
-def _held_callables(wrapper: t.Any) -> list[t.Any]:
-    """What a wrapper may call: a function's closure cells and default arguments, a partial's
-    function and arguments, a bound method's function and object, an object's attributes
-    (never a class's: those are every method of the class, not the one this request calls)."""
-    if isinstance(wrapper, functools.partial):
-        return [wrapper.func, *wrapper.args, *wrapper.keywords.values()]
-    if inspect.ismethod(wrapper):
-        return [wrapper.__func__, *_attributes(wrapper.__self__)]
-    if inspect.isfunction(wrapper):
-        return [
-            *_cells(wrapper),
-            *(wrapper.__defaults__ or ()),
-            *(wrapper.__kwdefaults__ or {}).values(),
-        ]
-    if isinstance(wrapper, type):
-        return []
-    return _attributes(wrapper)
-
-
-def _cells(function: types.FunctionType) -> list[t.Any]:
-    contents = []
-    for cell in function.__closure__ or ():
-        try:
-            contents.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
-    return contents
-
-
-def _attributes(holder: t.Any) -> list[t.Any]:
-    """An object's attribute values, in its ``__dict__`` and in the ``__slots__`` of its
-    class and the classes it inherits from."""
-    attributes = getattr(holder, "__dict__", None)
-    values = list(attributes.values()) if isinstance(attributes, dict) else []
-    for cls in type(holder).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            try:
-                values.append(getattr(holder, name))
-            except AttributeError:  # declared, never set
-                continue
-    return values
-
-
-def _guard_not_found(app_state: AppState) -> GuardNotFound:
-    """The refusal of a view guard entered under the outer guard's claim, logged once per
-    endpoint (it is a mistake in the application's code, the same on every request)."""
-    endpoint = request.endpoint or request.path
-    if endpoint not in app_state.guards_not_found:
-        app_state.guards_not_found.add(endpoint)
-        log.error(
-            "endpoint %r: its @idem.idempotent guard sits under a decorator flask_idem could "
-            "not see through, so protect_blueprint/IDEMPOTENCY_PROTECT_ALL claimed before that "
-            "decorator ran; every request to it is refused with 500. Write decorators above "
-            "@idem.idempotent with functools.wraps, or put authorization in a before_request "
-            "hook",
-            endpoint,
-        )
-    return GuardNotFound(
-        f"the @idem.idempotent guard of endpoint {endpoint!r} was not found under the "
-        "decorators above it; the outer guard claimed first"
-    )
-
-
-# -- enter: claim, or answer from the existing record ---------------------------------------
-
-
-def enter(
-    view: t.Callable[..., t.Any],
-    args: t.Any,
-    kwargs: t.Any,
-    declared: ViewOptions | None,
-    *,
-    asynchronous: bool,
-) -> ResponseReturnValue:
-    app_state = AppState.current()
-    plain = not asynchronous and app_state.plain_ensure_sync
-    call = view if plain else current_app.ensure_sync(view)
-    state = RequestState.current()
-    if state is not None and state.scope is not None:
-        if declared is not None and state.claimed_around_view:
-            # The outer guard claimed before the decorators above this guard: they would run
-            # after a replay was decided. Fail like a view exception, never run the view.
-            raise _guard_not_found(app_state)
-        return run(call, args, kwargs)  # claimed already, by an outer guard
-    if declared is None and find_guard(view, request.method) is not None:
-        return run(call, args, kwargs)  # the view's own guard claims, after its decorators
-    settings = app_state.settings
-    options = app_state.extension.protection(settings, declared)
-    claims = settings.enabled and request.method in settings.methods
-    if options is None or (not claims and request.method in SAFE_METHODS):
-        return t.cast(ResponseReturnValue, call(*args, **kwargs))
-    if claims:
-        try:
-            answer = claim(app_state, options)
-        except Problem as problem:
-            # Returned, not raised: an application's errorhandler(Exception) or
-            # errorhandler(HTTPException) must not turn a 409 or a 422 into its own 500.
-            return _problem_response(app_state, RequestState.current(), problem)
-        if answer is not None:
-            return answer
-    state = RequestState.current()
-    if state is not None and declared is None:
-        state.claimed_around_view = True
-    if state is None or state.token is None:
-        unclaimed(app_state, options)
-    return run(call, args, kwargs)
-
-
-#: Methods that must have no effect (RFC 9110): an unclaimed one is left as Flask leaves it.
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+# -- claim, or answer from the existing record ----------------------------------------------
 
 
 def unclaimed(app_state: AppState, options: ViewOptions) -> None:
@@ -321,9 +120,9 @@ def unclaimed(app_state: AppState, options: ViewOptions) -> None:
     transaction of a claimed one: the view is written for flask_idem to commit it, so
     ``finish`` commits it with a storable answer and rolls it back otherwise, as it would a
     claimed request's. A transaction a hook opened earlier (``idem.connection()``) is kept."""
-    state = _start(RequestState(None, options))
+    attempt = _start(Attempt(app_state, None, options))
     if app_state.sessions is not None:
-        app_state.attach_session(state)
+        attempt.attach_session()
 
 
 def claim(app_state: AppState, options: ViewOptions) -> Response | None:
@@ -343,7 +142,7 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
         key = _read_key(req, settings, options)
     except InvalidKey as exc:
         echo = echo_of_invalid(req.headers, settings.headers)
-        _start(RequestState(None, options, echo=echo))
+        _start(Attempt(app_state, None, options, echo=echo))
         raise KeyInvalid(str(exc)) from None
     if key is None:
         required = settings.key_required if options.required is None else options.required
@@ -352,40 +151,29 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
         return None
     assert req.url_rule is not None
     scope = Scope(_tenant(app_state), f"{req.method} {req.url_rule.rule}", key)
-    state = _start(RequestState(scope, options))
-    app_state.start_trace(state)
+    attempt = _start(Attempt(app_state, scope, options))
+    attempt.start_trace()
     if body is None:
         body = read_body(req, settings.max_request_body)
     digest = _fingerprint(req, options, body)
-    state.fingerprint = digest
     ttl = options.ttl or settings.ttl
     deadline = time.monotonic() + settings.wait
     if options.atomic:
-        return _claim_atomic(app_state, state, options, digest, ttl, deadline)
+        return _claim_atomic(attempt, options, digest, ttl, deadline)
     while True:
         try:
-            result: ClaimResult | Response | None = app_state.store.claim(
-                scope, digest, ttl=ttl, lease=settings.lease
-            )
-            assert isinstance(result, ClaimResult)
-            if not result.claimed:
-                result = answer_existing(app_state, result.record, digest, options, deadline)
+            record = attempt.claim(digest, ttl=ttl, lease=settings.lease)
+            if record is None:
+                return None  # the key is ours
+            answer = answer_existing(attempt, record, options, deadline)
         except StoreUnavailable as exc:
-            raise _claim_failed(scope, exc) from None
-        if isinstance(result, Response):
-            return result
-        if result is not None:
-            own(app_state, state, result, settings.lease)
-            return None
+            raise _claim_failed(attempt, exc) from None
+        if answer is not None or attempt.holding:
+            return answer
 
 
 def _claim_atomic(
-    app_state: AppState,
-    state: RequestState,
-    options: ViewOptions,
-    digest: bytes,
-    ttl: float,
-    deadline: float,
+    attempt: Attempt, options: ViewOptions, digest: bytes, ttl: float, deadline: float
 ) -> Response | None:
     """The claim of an atomic view, inside the business transaction it opens.
 
@@ -393,92 +181,55 @@ def _claim_atomic(
     bounded wait (``IDEMPOTENCY_WAIT``); an existing record answers as for any view, after
     the empty transaction is rolled back.
     """
-    assert state.scope is not None
-    store = app_state.store
     while True:
         try:
-            with OneDeadline():  # the checkout and the claim: one wait for the server
-                connection = app_state.begin(state)
-                result = store.claim_atomic(connection, state.scope, digest, ttl=ttl)
-            if result is not None and result.claimed:
-                state.token, state.record = result.token, result.record
-                state.reservation = result.reservation
-                count_commits_from_now(state)  # a connection opened before the claim
-                emit(signals.claimed, state.scope)
+            result = attempt.claim_atomic(digest, ttl=ttl)
+            if attempt.holding:
                 return None
-            rollback(state)
+            attempt.rollback_quietly()
             if result is not None:
-                answer = answer_existing(app_state, result.record, digest, options, deadline)
-                if isinstance(answer, Response):
-                    return answer
-                if answer is not None:  # a reopened record: run it again, durably owned
-                    own(app_state, state, answer, app_state.settings.lease)
-                    return None
+                answer = answer_existing(attempt, result.record, options, deadline)
+                if answer is not None or attempt.holding:
+                    return answer  # a reopened record taken over: run it again, durably owned
         except StoreUnavailable as exc:
-            raise _claim_failed(state.scope, exc) from None
+            raise _claim_failed(attempt, exc) from None
         if time.monotonic() >= deadline:
-            emit(signals.conflict, state.scope)
-            raise RequestInProgress(
-                "A request with this idempotency key is still being processed; retry later.",
-                retry_after=IN_FLIGHT_RETRY_AFTER,
-            )
+            raise attempt.emit_found(Found.RUNNING).http()
         time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
 
 
-def _claim_failed(scope: Scope, error: StoreUnavailable) -> StoreUnavailableProblem:
+def _claim_failed(attempt: Attempt, error: StoreUnavailable) -> StoreUnavailableProblem:
     """The 503 of a claim the store failed: fail closed, saying how to migrate when the schema
     is missing (:class:`~flask_idem.core.errors.SchemaMissing`)."""
-    emit(signals.store_unavailable, scope, stage="claim")
+    attempt.emit(signals.store_unavailable, stage="claim")
     return StoreUnavailableProblem(
         error.detail or "The idempotency store cannot be reached; the request was not executed."
     )
 
 
 def answer_existing(
-    app_state: AppState, record: Record, digest: bytes, options: ViewOptions, deadline: float
-) -> ClaimResult | Response | None:
-    """What a claim that found a record leads to: a problem (raised), a replay, a takeover to
-    run the view with, or None to claim again after a short wait."""
+    attempt: Attempt, record: Record, options: ViewOptions, deadline: float
+) -> Response | None:
+    """What a claim that found a record leads to: a problem (raised), a replay, or None: the
+    attempt took the record over (it holds the key), or claims again after a short wait."""
     if record.damaged is not None:
         raise unreadable_problem(record)  # neither replayed, compared nor taken over
-    found = classify(record, digest, options.recovery)
-    if found is Found.MISMATCH:
-        emit(signals.mismatch, record.scope, state=record.state.value)
-        raise KeyReused(
-            "This idempotency key was already used with a different request; "
-            "use a new key for a new operation."
-        )
+    assert attempt.fingerprint is not None
+    found = classify(record, attempt.fingerprint, options.recovery)
     if found is Found.COMPLETED:
         if record.unreadable is not None:
             raise unreadable_problem(record)  # never a replay of garbage, never a re-run
         assert record.response is not None
-        emit(signals.replayed, record.scope, status=record.response.status)
-        return replay(record.response, options, app_state.settings.stored_headers)
-    if found is Found.UNSTORED:
-        emit(signals.not_stored, record.scope)
-        raise ResponseNotStored(
-            "The original request ran and completed, but its response was streamed or larger "
-            "than this endpoint stores (IDEMPOTENCY_MAX_BODY), so it cannot be replayed; it "
-            "was not executed again. Look its result up instead of retrying: a new key would "
-            "run the operation a second time."
-        )
-    if found is Found.RUNNING:
-        if time.monotonic() < deadline:
-            time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
-            return None
-        emit(signals.conflict, record.scope)
-        raise RequestInProgress(
-            "A request with this idempotency key is still being processed; retry later.",
-            retry_after=IN_FLIGHT_RETRY_AFTER,
-        )
-    if found is Found.PENDING:
-        emit(signals.pending, record.scope, state=record.state.value)
-        raise OutcomePending(
-            "The original request may have taken effect but its outcome is not known; it "
-            "will not be executed again automatically and is being reconciled."
-        )
-    # One winner: a loser claims again and finds the winner's record in progress.
-    return take_over(app_state, record, app_state.settings.lease)
+        attempt.emit(signals.replayed, status=record.response.status)
+        return replay(record.response, options, attempt.app_state.settings.stored_headers)
+    if found is Found.RERUN:
+        # One winner: a loser claims again and finds the winner's record in progress.
+        attempt.take_over(record, attempt.app_state.settings.lease)
+        return None
+    if found is Found.RUNNING and time.monotonic() < deadline:
+        time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
+        return None
+    raise attempt.emit_found(found, record).http()
 
 
 def replay(stored: StoredResponse, options: ViewOptions, headers: frozenset[str]) -> Response:
@@ -503,13 +254,13 @@ def replay(stored: StoredResponse, options: ViewOptions, headers: frozenset[str]
     return response
 
 
-def _start(state: RequestState) -> RequestState:
-    """Attach the request's state, keeping a business transaction opened before the claim."""
-    earlier = RequestState.current()
+def _start(attempt: Attempt) -> Attempt:
+    """Attach the request's attempt, keeping a business transaction opened before the claim."""
+    earlier = Attempt.current()
     if earlier is not None:
-        state.connection, state.session = earlier.connection, earlier.session
-    state.attach()
-    return state
+        attempt.connection, attempt.session = earlier.connection, earlier.session
+    attempt.attach()
+    return attempt
 
 
 def _read_key(req: Request, settings: Settings, options: ViewOptions) -> str | None:
@@ -587,36 +338,34 @@ def _fingerprint(req: Request, options: ViewOptions, body: bytes) -> bytes:
 def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseReturnValue:
     try:
         answer = t.cast(ResponseReturnValue, call(*args, **kwargs))
-        state = RequestState.current()
-        if state is not None:
-            state.flush()  # db.session's ORM writes: a failure here is the view's
-            state.answered = True
+        attempt = Attempt.current()
+        if attempt is not None:
+            attempt.flush()  # db.session's ORM writes: a failure here is the view's
+            attempt.answered()
         return answer
     except Refusal:
-        _answered(crashed=False, refused=True)
+        _ended(Attempt.refuse)
         raise
     except HTTPException:
-        _answered(crashed=False)
+        _ended(Attempt.answered)
         raise  # abort(404), raise Problem(...): an answer like a returned one
     except StoreUnavailable as exc:
         # idem.connection() failed in the view: a crash answered 503 here, not by whatever
         # error handler the application (or a blueprint) registered for Exception.
-        _answered(crashed=True, error=exc)
+        _ended(Attempt.crash, exc)
         return store_unavailable(exc)
     except BaseException as exc:
         # A crash, also when an application error handler turns it into a response.
-        _answered(crashed=True, error=exc)
+        _ended(Attempt.crash, exc)
         raise
 
 
-def _answered(*, crashed: bool, refused: bool = False, error: BaseException | None = None) -> None:
-    state = RequestState.current()
-    if state is not None:
-        state.answered = True
-        state.crashed = state.crashed or crashed
-        state.refused = refused
+def _ended(how: t.Callable[[Attempt], None], error: BaseException | None = None) -> None:
+    attempt = Attempt.current()
+    if attempt is not None:
+        how(attempt)
         if error is not None:
-            state.failed(error)
+            attempt.failed(error)
 
 
 class Refusal(HTTPException):
@@ -630,131 +379,104 @@ class Refusal(HTTPException):
 # -- finish: store the answer, or give the key up -------------------------------------------
 
 
-def finish(response: Response) -> Response:
-    """``after_request``: complete the record with the response, or give up."""
-    state = RequestState.current()
-    app_state = AppState.current()
-    if state is None:
-        _echo_unclaimed(app_state, response)
-        return response
-    echo = state.scope.key if state.scope is not None else state.echo
+def finish(attempt: Attempt, response: Response) -> Response:
+    """``after_request`` (through :func:`.guard.finish`): complete the record with the
+    response, or give up."""
+    app_state = attempt.app_state
+    echo = attempt.scope.key if attempt.scope is not None else attempt.echo
     if echo is not None:
         response.headers[app_state.settings.header] = echo
-    if state.finished:
+    if attempt.phase is Phase.FINISHED:
         return response
-    if state.token is None:
-        return _settle_unclaimed(app_state, state, response)
-    state.completing()
-    stop_watching(app_state, state)
-    note_replaced_session(app_state, state)
-    if state.work_lost:
+    if not attempt.holding:
+        return _settle_unclaimed(attempt, response)
+    attempt.completing()
+    attempt.stop_watching()
+    attempt.note_replaced_session()
+    if attempt.work_lost:
         # The view ended its own business transaction before answering: its rows are gone,
         # so its answer (a 201, say) would be a lie, stored or not.
-        return _unrecorded(app_state, state, "the view ended its business transaction itself")
-    if state.crashed:
-        give_up(app_state, state, "the view raised an exception")
+        return _unrecorded(attempt, "the view ended its business transaction itself")
+    if attempt.phase is Phase.CRASHED:
+        attempt.give_up("the view raised an exception")
         return response
-    if state.refused:
-        give_up(app_state, state, "the view refused the request")
+    if attempt.phase is Phase.REFUSED:
+        attempt.give_up("the view refused the request")
         return response
     if (
         response.status_code in app_state.settings.never_store
         or response.status_code not in STORABLE_STATUSES
     ):
-        give_up(app_state, state, f"status {response.status_code} is never stored")
+        attempt.give_up(f"status {response.status_code} is never stored")
         return response
     if app_state.unmanaged_db is not None and has_unmanaged_writes(app_state.unmanaged_db):
         log.warning(
             "a protected view left writes in db.session that flask_idem does not commit: its "
             "store runs on another database. Pass db= to Idempotency (one transaction with the "
             "stored answer), or commit them in the view",
-            extra={"key_hash": key_hash(t.cast(Scope, state.scope))},
+            extra={"key_hash": key_hash(t.cast(Scope, attempt.scope))},
         )
-    if state.atomic and state.session is not None and not state.session.in_transaction():
+    if attempt.atomic and attempt.session is not None and not attempt.session.in_transaction():
         # An error handler rolled db.session back after the view raised an HTTPException:
         # the atomic claim went with it, and nothing of the attempt is left. Its answer goes
         # out unstored; the key is free, so a retry runs the view again.
-        give_up(app_state, state, "the business transaction was rolled back before the answer")
+        attempt.give_up("the business transaction was rolled back before the answer")
         return response
-    if note_ended_below(state):
+    if attempt.note_ended_below():
         # The driver committed or rolled back under the view: its rows did not commit with
         # this answer, so it must never be stored (nor the key given back).
-        return _unrecorded(
-            app_state, state, "the view ended its business transaction below SQLAlchemy"
-        )
-    return _complete(app_state, state, response)
+        return _unrecorded(attempt, "the view ended its business transaction below SQLAlchemy")
+    return _complete(attempt, response)
 
 
-def _unrecorded(app_state: AppState, state: RequestState, reason: str) -> Response:
+def _unrecorded(attempt: Attempt, reason: str) -> Response:
     """Give the key up and answer 500: the view's answer does not stand for what committed."""
-    give_up(app_state, state, reason)
-    problem = InternalError(
-        "The request's database transaction ended before the server answered, so its "
-        "work was not recorded. " + _crash_outcome(state)
-    )
-    return _problem_response(app_state, state, problem)
+    attempt.give_up(reason)
+    problem = InternalError(OUTCOMES[Failure.WORK_LOST].detail + _crash_outcome(attempt))
+    return problem_response(attempt.app_state, attempt, problem)
 
 
-def _complete(app_state: AppState, state: RequestState, response: Response) -> Response:
-    assert state.scope is not None and state.token is not None
-    snapshot = response_snapshot(app_state.settings, response)
-    if snapshot is None and 400 <= response.status_code < 500 and state.releasable:
+def _complete(attempt: Attempt, response: Response) -> Response:
+    assert attempt.scope is not None
+    snapshot = response_snapshot(attempt.app_state.settings, response)
+    if snapshot is None and 400 <= response.status_code < 500 and attempt.releasable:
         # A client error too large to keep, from an attempt that provably committed nothing
         # (a validation answer before any contact): kept as unstored, it would answer 409 to
         # every retry of a request that only needs fixing. Given back, a retry gets it again.
-        give_up(app_state, state, "its 4xx answer is too large to store")
+        attempt.give_up("its 4xx answer is too large to store")
         return response
     try:
-        stored = store_result(app_state, state, snapshot)
+        stored = attempt.complete(snapshot)
     except StoreUnavailable as exc:
-        return _store_failed(
-            app_state, state, response, committing=isinstance(exc, CommitUncertain)
-        )
+        return _store_failed(attempt, response, committing=isinstance(exc, CommitUncertain))
     if not stored:
         # The lease expired and a retry took the record over: this request's writes in the
         # business transaction are rolled back and the operation belongs to the new owner.
-        emit(signals.lease_lost, state.scope)
-        return _problem_response(
-            app_state,
-            state,
-            RequestInProgress(
-                "This request lost its claim on the idempotency key to a retry; retry to get "
-                "the result.",
-                retry_after=IN_FLIGHT_RETRY_AFTER,
-            ),
-        )
-    emit(signals.completed, state.scope, status=response.status_code, stored=snapshot is not None)
+        problem = attempt.emit_found(Failure.LEASE_LOST).http()
+        return problem_response(attempt.app_state, attempt, problem)
+    attempt.emit(signals.completed, status=response.status_code, stored=snapshot is not None)
     if snapshot is None:
         log.warning(
             "response not stored (streamed or larger than IDEMPOTENCY_MAX_BODY); "
             "retries get 409 response-not-stored",
-            extra={"key_hash": key_hash(state.scope)},
+            extra={"key_hash": key_hash(attempt.scope)},
         )
         # The only caller that gets this answer learns that no retry will.
         response.headers["Idempotent-Stored"] = "false"
     return response
 
 
-def _store_failed(
-    app_state: AppState, state: RequestState, response: Response, *, committing: bool
-) -> Response:
+def _store_failed(attempt: Attempt, response: Response, *, committing: bool) -> Response:
     """The view answered but its result could not be recorded: tell the truth."""
-    assert state.scope is not None
-    emit(signals.store_unavailable, state.scope, stage="complete")
-    state.store_failed = True
-    if state.connection is None:
-        # The view's effects happened outside our transaction: the key must stay taken, and
-        # the client still learns what happened.
-        state.contacted = True
-        give_up(app_state, state, "the store failed after the view ran")
-        return response
-    released = state.releasable
+    if attempt.store_failed_after_run("view"):
+        return response  # the client still learns what happened
+    released = attempt.releasable
     reason = (
         "the store failed while committing: the result may or may not be recorded"
         if committing
         else "the store failed before the commit"
     )
-    give_up(app_state, state, reason)
+    attempt.give_up(reason)
     if committing:
         # The commit itself failed: it may have gone through before the answer was lost.
         detail = (
@@ -772,7 +494,7 @@ def _store_failed(
             "The idempotency store failed before the result was recorded. The operation may "
             "have taken effect outside this service; retry with the same key, never a new one."
         )
-    return _problem_response(app_state, state, StoreUnavailableProblem(detail))
+    return problem_response(attempt.app_state, attempt, StoreUnavailableProblem(detail))
 
 
 # -- teardown: a request that never answered -------------------------------------------------
@@ -781,16 +503,16 @@ def _store_failed(
 def teardown(exc: BaseException | None) -> None:
     """``teardown_request``: give up a claim the request never finished (``SystemExit`` from
     gunicorn's worker timeout or SIGQUIT, ``KeyboardInterrupt``, a propagated exception)."""
-    state = RequestState.current()
-    if state is None:
+    attempt = Attempt.current()
+    if attempt is None:
         return
     try:
-        if state.token is not None and not state.finished:
-            state.completing()
-            give_up(AppState.current(), state, "the request ended without an answer")
+        if attempt.holding:
+            attempt.completing()
+            attempt.give_up("the request ended without an answer")
     finally:
-        state.close()
-        RequestState.detach()
+        attempt.close()
+        Attempt.detach()
 
 
 # -- answers rendered by the extension's error handlers -------------------------------------
@@ -798,19 +520,19 @@ def teardown(exc: BaseException | None) -> None:
 
 def internal_error(error: InternalServerError) -> ResponseReturnValue:
     """Unhandled exceptions in protected views answer a problem document, not HTML."""
-    state = RequestState.current()
-    if state is None or state.scope is None:
+    attempt = Attempt.current()
+    if attempt is None or attempt.scope is None:
         return error
     return InternalError(
-        "The server failed while processing the request. " + _crash_outcome(state)
+        "The server failed while processing the request. " + _crash_outcome(attempt)
     ).get_response()
 
 
-def _crash_outcome(state: RequestState) -> str:
+def _crash_outcome(attempt: Attempt) -> str:
     """What a failed request's client should do next, from what its attempt may have done."""
-    if state.token is None:
+    if not attempt.claimed:
         return "Retry with the same key."  # it failed answering from the record
-    if state.releasable:
+    if attempt.releasable:
         return "Nothing was recorded for this key; retry with the same key."
     return "It may have had an effect; retry with the same key, never a new one."
 
@@ -826,30 +548,15 @@ def store_unavailable(error: StoreUnavailable) -> ResponseReturnValue:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _echo_unclaimed(app_state: AppState, response: Response) -> None:
-    """Echo the key on a protected endpoint's answers that came before the claim (an
-    authentication hook, a rate limit, an authorization decorator)."""
-    settings = app_state.settings
-    if app_state.extension.options_for(settings) is None:
-        return
-    try:
-        key = read_key(request.headers, settings.headers)
-    except InvalidKey:
-        key = echo_of_invalid(request.headers, settings.headers)
-    if key is not None:
-        response.headers[settings.header] = key
-
-
-def _problem_response(
-    app_state: AppState, state: RequestState | None, problem: Problem
-) -> Response:
+def problem_response(app_state: AppState, attempt: Attempt | None, problem: Problem) -> Response:
+    """``problem`` as the request's answer, echoing the key the attempt holds."""
     response = problem.get_response()
-    if state is not None and state.scope is not None:
-        response.headers[app_state.settings.header] = state.scope.key
+    if attempt is not None and attempt.scope is not None:
+        response.headers[app_state.settings.header] = attempt.scope.key
     return response
 
 
-def _settle_unclaimed(app_state: AppState, state: RequestState, response: Response) -> Response:
+def _settle_unclaimed(attempt: Attempt, response: Response) -> Response:
     """Settle the business transaction of a request that claimed nothing as a claimed one's
     would be: rolled back after an exception, and on a protected view after a status that is
     never stored or an :meth:`~flask_idem.Idempotency.refuse`; committed otherwise.
@@ -858,19 +565,18 @@ def _settle_unclaimed(app_state: AppState, state: RequestState, response: Respon
     rendered it, leaving the transaction invalid), nothing was committed: answer 503, as a
     store failure anywhere in a request.
     """
-    if state.connection is None and state.session is None:
+    if attempt.connection is None and attempt.session is None:
         return response
-    protected = state.options is not None
-    if (
-        state.crashed
-        or state.refused
-        or (protected and response.status_code in app_state.settings.never_store)
+    app_state = attempt.app_state
+    protected = attempt.options is not None
+    if attempt.phase is Phase.FAILED or (
+        protected and response.status_code in app_state.settings.never_store
     ):
-        rollback(state)
+        attempt.rollback_quietly()
         return response
     try:
         with translate_errors():
-            state.commit()
+            attempt.commit()
     except StoreUnavailable as exc:
         answer = t.cast(Response, store_unavailable(exc))
         echo = response.headers.get(app_state.settings.header)
