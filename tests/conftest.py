@@ -19,6 +19,7 @@ from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import age_record, empty_store
 
 from . import citus_cluster, debian, fsa_app, pgcluster, redis_server
+from .sqlalchemy_paths import sqlalchemy_path  # noqa: F401 (a fixture)
 
 DIALECTS = ("postgresql", "sqlite")
 

@@ -25,6 +25,8 @@ from .drivers import (
 )
 from .fsa_app import Order, application, db, notes
 
+pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
+
 ledger = sa.Table(
     "driver_commit_ledger",
     sa.MetaData(),

@@ -51,7 +51,7 @@ from .test_faults import (
 )
 from .test_sample_app import in_background, wait_for
 
-pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
+pytestmark = [pytest.mark.postgresql, pytest.mark.slow, pytest.mark.usefixtures("sqlalchemy_path")]
 
 #: What the claim functions bound their transaction with when the session has no bound.
 CLAIM_BOUND = f"{engines.STATEMENT_TIMEOUT:g}s"
