@@ -174,7 +174,7 @@ def metrics_command() -> None:
     """
     import prometheus_client
 
-    from .metrics import TableCollector
+    from ..metrics import TableCollector
 
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
     registry.register(
