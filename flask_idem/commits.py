@@ -42,14 +42,12 @@ process killed in between would leave the rows published without their record. O
 they, and a commit on another connection, set :attr:`~flask_idem.attempt.Attempt.committed`.
 
 The checks wrap the store engine's dialect (``do_commit``, ``do_rollback``, ``do_execute``)
-instead of listening to connection events: any connection event on an engine makes SQLAlchemy
-dispatch events around every statement, transaction and checkout of it, which cost a protected
-request 6% of its instructions (``valgrind --tool=callgrind``). A statement is looked at only
-when a cheap prefilter (:func:`flask_idem.store.statements.may_end`) finds one of those words
-at its start or after a ``;``; the raw cursors of the PostgreSQL store connections run the same
-prefilter. Counting the
-driver's commits and rollbacks costs one Python call and a context variable per commit or
-rollback.
+instead of listening to connection events, in :mod:`flask_idem.store.fast_path` (the one
+module that reaches below SQLAlchemy's public API; it says what that saves). A statement is
+looked at only when a cheap prefilter (:func:`flask_idem.store.statements.may_end`) finds one
+of those words at its start or after a ``;``; the raw cursors of the PostgreSQL store
+connections run the same prefilter. Counting the driver's commits and rollbacks costs one
+Python call and a context variable per commit or rollback.
 """
 
 from __future__ import annotations
@@ -62,27 +60,26 @@ from flask import has_app_context
 
 from .sessions import SessionSettled, business_connections
 from .state import current_attempt
-from .store import commit_count
+from .store import commit_count, fast_path
+from .store.statements import ends_transaction, may_end
 
 if t.TYPE_CHECKING:
     from .attempt import Attempt
-from .store.statements import ends_transaction, may_end
-
-_GUARDED = "flask_idem_commit_guard"
 
 
 def guard_commits(engine: sa.Engine) -> None:
     """Refuse a claimed attempt's own end of its business transaction on ``engine`` (once per
-    dialect, which one engine shared by several applications has once)."""
-    dialect = engine.dialect
-    if getattr(dialect.do_commit, _GUARDED, False):
-        return
-    commit = dialect.do_commit
-    rollback = dialect.do_rollback
-    execute = dialect.do_execute
-    execute_no_params = dialect.do_execute_no_params
+    dialect, which one engine shared by several applications has once; the dialect is wrapped
+    by :func:`flask_idem.store.fast_path.wrap_dialect`)."""
+    commit_count.open_counting(engine)
+    fast_path.wrap_dialect(engine, _GUARD)
 
-    def do_commit(dbapi_connection: t.Any) -> None:
+
+class _Guard:
+    """The commit guard's answers to the wrapped dialect (:class:`.fast_path.DialectGuard`)."""
+
+    @staticmethod
+    def before_commit(dbapi_connection: t.Any, rollback: t.Callable[[], None]) -> None:
         state = _running_attempt()
         if state is not None and not _business(state, lambda c: c.connection is dbapi_connection):
             _note_elsewhere(state)
@@ -90,7 +87,7 @@ def guard_commits(engine: sa.Engine) -> None:
             # SQLAlchemy counts a failed commit's transaction as over and would never roll
             # it back (SQLite's write lock held until the pool resets the connection): roll
             # back here. The view's writes are gone, so its answer is never stored.
-            do_rollback(dbapi_connection)
+            rollback()
             state.lose_work()
             raise SessionSettled(
                 "an atomic view, or one whose business transaction is db.session's, must not "
@@ -98,38 +95,23 @@ def guard_commits(engine: sa.Engine) -> None:
             )
         elif state is not None:
             state.committed = True  # commit as you go: allowed, but never released after it
-        commit_count.through_sqlalchemy(lambda: commit(dbapi_connection))
 
-    def do_rollback(dbapi_connection: t.Any) -> None:
-        commit_count.through_sqlalchemy(lambda: rollback(dbapi_connection))
+    @staticmethod
+    def ending(statement: str, connection: sa.Connection) -> bool:
+        return _refuse_ending(statement, connection)
 
-    def do_execute(cursor: t.Any, statement: str, parameters: t.Any, context: t.Any = None) -> None:
-        if _refuse_ending(statement, context):
-            commit_count.through_sqlalchemy(lambda: execute(cursor, statement, parameters, context))
-        else:
-            execute(cursor, statement, parameters, context)
-
-    def do_execute_no_params(cursor: t.Any, statement: str, context: t.Any = None) -> None:
-        if _refuse_ending(statement, context):
-            commit_count.through_sqlalchemy(lambda: execute_no_params(cursor, statement, context))
-        else:
-            execute_no_params(cursor, statement, context)
-
-    setattr(do_commit, _GUARDED, True)
-    commit_count.open_counting(engine)
-    dialect.do_commit = do_commit  # type: ignore[method-assign]
-    dialect.do_rollback = do_rollback  # type: ignore[method-assign]
-    dialect.do_execute = do_execute  # type: ignore[method-assign]
-    dialect.do_execute_no_params = do_execute_no_params  # type: ignore[method-assign]
+    through_sqlalchemy = staticmethod(commit_count.through_sqlalchemy)
 
 
-def _refuse_ending(statement: str, context: t.Any) -> bool:
+_GUARD = _Guard()
+
+
+def _refuse_ending(statement: str, connection: sa.Connection) -> bool:
     """Refuse, or note, a statement of the business transaction that ends it. True when the
     statement ends a transaction: the guard looked at it, so the driver's count leaves it out
     (see :mod:`.store.commit_count`)."""
-    if context is None or not may_end(statement) or not ends_transaction(statement):
+    if not may_end(statement) or not ends_transaction(statement):
         return False
-    connection = context.root_connection
     state = _running_attempt()
     if state is None:
         return True

@@ -17,6 +17,7 @@ from flask_idem.testing import empty_store
 
 from .support import citus_cluster, debian, fsa_app, pgcluster, redis_server
 from .support.helpers import Counter
+from .support.sqlalchemy_paths import sqlalchemy_path  # noqa: F401 (a fixture)
 
 DIALECTS = ("postgresql", "sqlite")
 

@@ -206,6 +206,8 @@ class Settings:
     enabled: bool = setting(True, _flag)
     database_url: str | None = setting(None, _a_database_url)
     engine: sa.Engine | None = setting(None, _an_engine)
+    #: False: only SQLAlchemy's public API (flask_idem.store.fast_path says what that costs).
+    sqlalchemy_fast_path: bool = setting(True, _flag)
     ttl: float = setting(86400, Number(1, 10 * 366 * 86400))  # ten years at most
     lease: float = setting(30, Number(1, 86400))
     header: str = setting("Idempotency-Key", _header_name)

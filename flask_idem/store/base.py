@@ -49,6 +49,9 @@ class RequestStore(abc.ABC):
 
     #: SQLAlchemy dialect name this store speaks ("postgresql", "sqlite").
     dialect: t.ClassVar[str]
+    #: Whether statements may take the driver-cursor shortcut of
+    #: :mod:`flask_idem.store.fast_path` (``IDEMPOTENCY_SQLALCHEMY_FAST_PATH``).
+    fast_path: bool = True
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
@@ -64,6 +67,13 @@ class RequestStore(abc.ABC):
         #: dropped at once).
         self.archive: Archive | None = None
         self._archive_configured = False
+
+    def use_fast_path(self, enabled: bool) -> None:
+        """Take SQLAlchemy's private shortcuts or not (``IDEMPOTENCY_SQLALCHEMY_FAST_PATH``;
+        ``init_app`` calls this). A store serving several applications keeps to public API
+        as soon as one of them asks for it."""
+        if not enabled:
+            self.fast_path = False
 
     def use_audit(self, enabled: bool, retention: float | None = None) -> None:
         """Audit every state transition (``IDEMPOTENCY_AUDIT``; ``init_app`` calls this).

@@ -74,7 +74,7 @@ import sqlalchemy as sa
 
 from ..core.errors import ConfigurationError, StoreUnavailable
 from ..core.record import Archive, ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
-from . import commit_count, engines
+from . import commit_count, engines, fast_path
 from .sql import (
     AUDIT_COLUMNS,
     HEADERS_TYPE,
@@ -219,42 +219,8 @@ PURGE_BATCH = 5000
 MAINTENANCE_LOCK_TIMEOUT = "200ms"
 
 
-def _observed(engine: sa.Engine) -> bool:
-    """Whether anything watches ``engine``'s statements and their failures: cursor listeners
-    (tracing, statement counters), ``handle_error`` listeners (failover rules that mark more
-    errors as disconnects, error reporting), or statement logging (``echo``). Claims then go
-    through ``exec_driver_sql``, where all of them see it (see ``PostgresStore._on_cursor``)."""
-    dispatch = engine.dispatch
-    return bool(
-        dispatch.before_cursor_execute
-        or dispatch.after_cursor_execute
-        or engine.dialect.dispatch.handle_error
-        or engine.logger.isEnabledFor(logging.INFO)
-    )
-
-
 _first_row = operator.methodcaller("fetchone")
 _row_count = operator.attrgetter("rowcount")
-
-
-class _Autocommit:
-    """The driver's autocommit flag on for a block, then back as it was: SQLAlchemy's
-    ``AUTOCOMMIT`` isolation level would cost a round trip (``SET
-    default_transaction_isolation``) when the connection returns to the pool, and an
-    application's engine kept in autocommit stays so."""
-
-    __slots__ = ("connection", "previous")
-
-    def __init__(self, dbapi_connection: t.Any) -> None:
-        self.connection = dbapi_connection
-
-    def __enter__(self) -> None:
-        self.previous = self.connection.autocommit
-        self.connection.autocommit = True
-
-    def __exit__(self, *_exc: object) -> None:
-        if not self.connection.closed:
-            self.connection.autocommit = self.previous
 
 
 @contextlib.contextmanager
@@ -327,13 +293,13 @@ class PostgresStore(SQLStore):
 
     @contextlib.contextmanager
     def connect(self) -> t.Iterator[sa.Connection]:
-        """A pooled connection in autocommit (:class:`_Autocommit`): no BEGIN/COMMIT round
+        """A pooled connection in autocommit (:class:`.fast_path.Autocommit`): no BEGIN/COMMIT round
         trips around a primitive."""
         with commit_count.store_own(), self.engine.connect() as connection:
             dbapi_connection = connection.connection.dbapi_connection
             assert dbapi_connection is not None
             try:
-                with _Autocommit(dbapi_connection):
+                with fast_path.Autocommit(dbapi_connection):
                     yield connection
             except self.engine.dialect.loaded_dbapi.Error as exc:
                 # A driver error, not SQLAlchemy's: the flag could not be switched (closed, or
@@ -351,17 +317,17 @@ class PostgresStore(SQLStore):
             statement = _CLAIM_AUDITED
             parameters.update(self._audit_values(scope, "claimed"))
         with _isolation_explained(), translate_errors(), engines.OneDeadline():
-            if _observed(self.engine):
+            if self._fast():
+                values = self._claim_row(statement, parameters)
+            else:
                 with self.connect() as conn:
                     values = tuple(conn.exec_driver_sql(statement, parameters).one())
-            else:
-                values = self._claim_row(statement, parameters)
         claimed, *columns = values
         return ClaimResult(build_record(scope, self.sealer, *columns), claimed=bool(claimed))
 
     def _claim_row(self, statement: str, parameters: dict[str, t.Any]) -> tuple[t.Any, ...]:
-        """The claim's row, through the driver's cursor (:meth:`_on_cursor`)."""
-        values = self._autocommitted(statement, parameters, _first_row)
+        """The claim's row, through the driver's cursor (:func:`.fast_path.on_cursor`)."""
+        values = fast_path.autocommitted(self.engine, statement, parameters, _first_row)
         if values is None:
             raise sa.exc.NoResultFound("the claim returned no row")
         return t.cast("tuple[t.Any, ...]", values)
@@ -375,81 +341,25 @@ class PostgresStore(SQLStore):
         """A precompiled write (the completion, a release) through the driver's cursor, in
         ``connection``'s transaction or on its own: SQLAlchemy's execution of it was a tenth
         of a new key's Python calls, for a statement whose row count is all that is read."""
-        if _observed(self.engine) or not (connection is None or connection.in_transaction()):
+        if not self._fast() or not (connection is None or connection.in_transaction()):
             # A view that ended idem.connection()'s transaction itself (commit as you go):
             # SQLAlchemy begins the next one, which the completion then commits with.
             return super()._send(statement, parameters, connection)
         with translate_errors(), engines.OneDeadline():
             bound = statement.parameters(parameters)
             if connection is None:
-                return t.cast(int, self._autocommitted(statement.sql, bound, _row_count))
+                sent = fast_path.autocommitted(self.engine, statement.sql, bound, _row_count)
+                return t.cast(int, sent)
             pooled = connection.connection
-            sent = self._on_cursor(pooled, connection, statement.sql, bound, _row_count)
+            sent = fast_path.on_cursor(
+                self.engine, pooled, connection, statement.sql, bound, _row_count
+            )
             return t.cast(int, sent)
 
-    def _autocommitted(
-        self, statement: str, parameters: t.Any, read: t.Callable[[t.Any], t.Any]
-    ) -> t.Any:
-        """``read`` of ``statement`` on a pooled connection in autocommit (:meth:`_on_cursor`)."""
-        try:
-            pooled = self.engine.raw_connection()
-        except self.engine.dialect.loaded_dbapi.Error as exc:
-            raise self._wrapped(exc, None, None, invalidated=False) from exc
-        try:
-            return self._on_cursor(pooled, None, statement, parameters, read, autocommit=True)
-        finally:
-            pooled.close()
-
-    def _on_cursor(
-        self,
-        pooled: t.Any,
-        owner: sa.Connection | None,
-        statement: str,
-        parameters: t.Any,
-        read: t.Callable[[t.Any], t.Any],
-        *,
-        autocommit: bool = False,
-    ) -> t.Any:
-        """``read(cursor)`` after ``statement``, on the driver's cursor of ``pooled`` (a
-        pooled connection, checked out by ``owner`` when it is a ``Connection``'s).
-
-        A claim is one statement, and SQLAlchemy's result machinery (column metadata for
-        twelve columns, a ``Connection`` around the pooled one) was a fifth of a replay's
-        Python calls (``python -m bench profile``). What ``exec_driver_sql`` does besides is
-        kept, as ``Connection._handle_dbapi_exception`` does it: a failure is SQLAlchemy's
-        exception for it (``DBAPIError.instance``, parameters hidden as the engine says), a
-        disconnect invalidates the whole pool (every connection older than it is replaced),
-        and an interrupted statement (``SystemExit`` from a worker timeout) its connection, so
-        the pool never hands a dead or half-read connection out again. Whatever watches the
-        engine (cursor and ``handle_error`` listeners, ``echo``) gets these statements through
-        ``exec_driver_sql`` instead (:func:`_observed`).
-        """
-        dbapi_connection = pooled.dbapi_connection
-        cursor = None
-        try:
-            # ``autocommit``: the statement is its own transaction (a closed connection or an
-            # open transaction fails when the flag is switched).
-            with _Autocommit(dbapi_connection) if autocommit else contextlib.nullcontext():
-                cursor = dbapi_connection.cursor()
-                cursor.execute(statement, parameters)
-                result = read(cursor)
-                cursor.close()
-        except BaseException as exc:
-            interrupted = not isinstance(exc, Exception)
-            invalidated = interrupted or (
-                isinstance(exc, self.engine.dialect.loaded_dbapi.Error)
-                and self.engine.dialect.is_disconnect(exc, dbapi_connection, cursor)
-            )
-            if invalidated and not interrupted:
-                self.engine.pool._invalidate(pooled, exc)
-            if invalidated and owner is not None:
-                owner.invalidate(exc)
-            elif invalidated and pooled.is_valid:
-                pooled.invalidate(exc)
-            if interrupted:
-                raise
-            raise self._wrapped(exc, statement, parameters, invalidated=invalidated) from exc
-        return result
+    def _fast(self) -> bool:
+        """Whether statements go on the driver's cursor (:mod:`.fast_path`): the switch is on
+        and nothing watches the engine's statements."""
+        return self.fast_path and not fast_path.observed(self.engine)
 
     def _wrapped(
         self,
@@ -459,18 +369,8 @@ class PostgresStore(SQLStore):
         *,
         invalidated: bool,
     ) -> sa.exc.DBAPIError:
-        dialect = self.engine.dialect
-        return t.cast(
-            sa.exc.DBAPIError,
-            sa.exc.DBAPIError.instance(
-                statement,
-                parameters,
-                t.cast(Exception, exc),
-                dialect.loaded_dbapi.Error,
-                hide_parameters=self.engine.hide_parameters,
-                connection_invalidated=invalidated,
-                dialect=dialect,
-            ),
+        return fast_path.dbapi_error(
+            self.engine, exc, statement, parameters, invalidated=invalidated
         )
 
     def claim_atomic(
@@ -509,13 +409,13 @@ class PostgresStore(SQLStore):
         self, connection: sa.Connection, statement: str, parameters: dict[str, t.Any]
     ) -> tuple[t.Any, ...] | None:
         """The first row of an atomic claim's statement, in the business transaction."""
-        if _observed(self.engine):
+        if not self._fast():
             row = connection.exec_driver_sql(statement, parameters).first()
             return None if row is None else tuple(row)
         pooled = connection.connection
         return t.cast(
             "tuple[t.Any, ...] | None",
-            self._on_cursor(pooled, connection, statement, parameters, _first_row),
+            fast_path.on_cursor(self.engine, pooled, connection, statement, parameters, _first_row),
         )
 
     @functools.cached_property

@@ -145,6 +145,7 @@ class Idempotency:
         store.use_sealer(Sealer.from_settings(settings))
         store.use_audit(settings.audit, settings.audit_retention)
         store.use_archive(settings.archive)
+        store.use_fast_path(settings.sqlalchemy_fast_path)
         guard_commits(store.engine)
         if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(

@@ -16,8 +16,9 @@ takes its lock by the query revision 0009 gave the atomic claim: a ``DELETE`` of
 rows in ``idempotency_keys_default`` (the partition that always exists) that deletes nothing
 (no row is dated before ``-infinity``), in a CTE, with ``pg_advisory_xact_lock`` (the waiting
 lock) in the same statement; its ``RETURNING`` is ``*``, as every ``RETURNING`` of this
-function (``tests/store/test_citus.py`` holds the delegated function to stored columns). Citus routes
-the query whole to the worker holding the shard, or runs it locally when that is this node,
+function (``tests/store/test_citus.py`` holds the delegated function to stored columns).
+Citus routes the query whole to the worker holding the shard, or runs it locally when that
+is this node,
 and, as for any write, first takes the shard's metadata lock on this node (seen in
 ``pg_locks``: the metadata lock on the node running the claim, the scope's lock on the
 tenant's worker). A move that blocks writes holds that metadata lock exclusively on every

@@ -51,7 +51,7 @@ from tests.support import pgbouncer, pgcluster
 from tests.support.drivers import PG_DRIVERS, spelled_for
 from tests.support.sample_server import SampleServer, migrate
 
-pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
+pytestmark = [pytest.mark.postgresql, pytest.mark.slow, pytest.mark.usefixtures("sqlalchemy_path")]
 
 #: What the claim functions bound their transaction with when the session has no bound.
 CLAIM_BOUND = f"{engines.STATEMENT_TIMEOUT:g}s"

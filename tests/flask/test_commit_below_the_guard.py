@@ -24,6 +24,8 @@ from tests.support.drivers import (
 )
 from tests.support.fsa_app import Order, application, db, notes
 
+pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
+
 ledger = sa.Table(
     "driver_commit_ledger",
     sa.MetaData(),

@@ -19,7 +19,7 @@ import pytest
 from flask_idem import Idempotency
 from flask_idem.store import SQLStore, engines
 
-pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
+pytestmark = [pytest.mark.postgresql, pytest.mark.slow, pytest.mark.usefixtures("sqlalchemy_path")]
 
 #: The trigger outlasts the client-side deadline by a margin.
 COMMIT_SECONDS = engines.STATEMENT_TIMEOUT + engines.DEADLINE_GRACE + 2

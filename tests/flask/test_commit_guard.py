@@ -21,6 +21,8 @@ from flask_idem.store import SQLStore
 from flask_idem.testing import empty_store
 from tests.support.fsa_app import Order, application, db, notes
 
+pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
+
 ledger = sa.Table(
     "commit_guard_ledger",
     sa.MetaData(),

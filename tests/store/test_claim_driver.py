@@ -31,7 +31,7 @@ from tests.support.drivers import (
     pg_url_on_each_driver,  # noqa: F401 (the driver tests on both drivers)
 )
 
-pytestmark = pytest.mark.postgresql
+pytestmark = [pytest.mark.postgresql, pytest.mark.usefixtures("sqlalchemy_path")]
 
 
 def _noop(*_args: t.Any) -> None:
