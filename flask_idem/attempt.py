@@ -321,8 +321,11 @@ class Attempt:
     #: The driver-level commits this attempt's context made on the store's engine, counted
     #: from its claim (:mod:`.store.commit_count`).
     tally: commit_count.Tally | None = None
-    #: The phases it went through, oldest first (``refused`` is read from it after the end).
+    #: The phases it went through, oldest first.
     path: list[Phase] = dataclasses.field(init=False)
+    #: ``idem.refuse()`` ended the view or job, and nothing around the guard went on after it
+    #: (see :meth:`went_on`).
+    _refusal_stands: bool = dataclasses.field(default=False, init=False)
     #: True while flask_idem itself commits or rolls the business transaction back: the
     #: commit guard and the session's listeners leave that to it.
     _settling: bool = dataclasses.field(default=False, init=False)
@@ -360,8 +363,8 @@ class Attempt:
 
     @property
     def refused(self) -> bool:
-        """``idem.refuse()`` ended its view or job."""
-        return Phase.REFUSED in self.path
+        """``idem.refuse()`` ended its view or job, which therefore did nothing."""
+        return self._refusal_stands
 
     def answered(self) -> None:
         """The view returned, or raised an ``HTTPException``."""
@@ -372,8 +375,17 @@ class Attempt:
         """``idem.refuse()`` ended the view or job."""
         if self.phase is Phase.RUNNING:
             self._move(Phase.REFUSED)
+            self._refusal_stands = True
         elif self.phase in (Phase.UNCLAIMED, Phase.CLAIMING):
             self._move(Phase.FAILED)
+
+    def went_on(self) -> None:
+        """Code around the guard (a decorator above ``@idem.idempotent``) caught the refusal
+        and went on: it returned, aborted or raised on its own, after a call nobody declared,
+        perhaps. The refusal no longer proves the attempt did nothing, so it no longer gives
+        the key back. An exception after the answer (an ``after_request`` hook) is no such
+        thing: it leaves the refusal standing."""
+        self._refusal_stands = False
 
     def crash(self) -> None:
         """The view or job raised, or an exception followed its answer (never undone: a
@@ -615,10 +627,11 @@ class Attempt:
             # would run under a new one, with new downstream keys: a second charge. A failure of
             # a re-run (a refusal included) leaves the record unknown, the same row and keys.
             self.contacted = True
+        # Holding from here: if what follows raises, teardown gives the key up.
+        self._move(Phase.RUNNING)
         self.watch = self.app_state.keeper.watch(claim.record, lease)
         if self.app_state.sessions is not None:
             self.attach_session()  # db.session carries the business writes
-        self._move(Phase.RUNNING)
         self.emit(signals.taken_over if claim.taken_over else signals.claimed)
         self.view_started = time.monotonic()
 

@@ -341,6 +341,7 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
         attempt = Attempt.current()
         if attempt is not None:
             attempt.flush()  # db.session's ORM writes: a failure here is the view's
+            attempt.went_on()
             attempt.answered()
         return answer
     except Refusal:
@@ -363,6 +364,8 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
 def _ended(how: t.Callable[[Attempt], None], error: BaseException | None = None) -> None:
     attempt = Attempt.current()
     if attempt is not None:
+        if how is not Attempt.refuse:
+            attempt.went_on()
         how(attempt)
         if error is not None:
             attempt.failed(error)

@@ -46,7 +46,10 @@ def test_a_job_that_closed_its_session_stores_no_result(db_url: str, end: str) -
         assert runs == [f"o-{end}"], "a redelivery ran it again"
         assert notes(app) == [], "the closed session's rows were committed"
         with app.app_context():
-            state = db.session.scalar(sa.text("SELECT state FROM idempotency_keys"))
+            state = db.session.scalar(
+                sa.text("SELECT state FROM idempotency_keys WHERE tenant = 'alpha' AND key = :k"),
+                {"k": f"o-{end}"},
+            )
             db.session.remove()
         assert state == "unknown"
     finally:

@@ -5,13 +5,16 @@ raised (a fail-open quota helper under ``except Exception``) and goes on to char
 
 from __future__ import annotations
 
+import functools
 import typing as t
 
+import flask
 import pytest
 import sqlalchemy as sa
 from flask import Flask
 
 from flask_idem import Idempotency
+from flask_idem.store import create_store
 from flask_idem.testing import empty_store
 from tests.support.fsa_app import Order, application, db, discard
 
@@ -57,3 +60,56 @@ def test_a_caught_refusal_does_not_give_up_the_answer_that_followed(
     assert len(provider) == 1, f"charged {len(provider)} times under one key"
     assert retry.headers.get("Idempotent-Replayed") == "true"
     assert rows == 1, "the 201's row was rolled back"
+
+
+def _raise_its_own(provider: list[int]) -> t.Any:
+    provider.append(1)
+    raise RuntimeError("the notifier failed")
+
+
+def _abort(provider: list[int]) -> t.Any:
+    provider.append(1)
+    flask.abort(403)
+
+
+def _answer_anyway(provider: list[int]) -> t.Any:
+    provider.append(1)
+    return {"queued": True}, 202
+
+
+@pytest.mark.parametrize("went_on", [_raise_its_own, _abort, _answer_anyway])
+def test_a_refusal_caught_above_the_guard_keeps_the_key(
+    sqlite_url: str, went_on: t.Callable[[list[int]], t.Any]
+) -> None:
+    """A decorator above ``@idem.idempotent`` that catches the refusal, calls the outside
+    world and then raises, aborts or answers on its own: the refusal did not end the request,
+    so the key of a view without ``release_before_contact`` is never given back (a retry gets
+    409 or the stored answer, and the outside call is never made twice)."""
+    store = create_store(sqlite_url)
+    empty_store(store)
+    app = Flask("refusal-caught-above")
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+    provider: list[int] = []
+
+    def notify_on_refusal(view: t.Callable[..., t.Any]) -> t.Callable[..., t.Any]:
+        @functools.wraps(view)
+        def wrapper(*args: t.Any, **kwargs: t.Any) -> t.Any:
+            try:
+                return view(*args, **kwargs)
+            except Exception:
+                return went_on(provider)
+
+        return wrapper
+
+    @app.post("/charges")
+    @notify_on_refusal
+    @idem.idempotent
+    def charge() -> t.Any:
+        idem.refuse(({"error": "daily limit"}, 429))
+
+    client = app.test_client()
+    client.post("/charges", headers={"Idempotency-Key": "caught-above"})
+    retry = client.post("/charges", headers={"Idempotency-Key": "caught-above"})
+    store.engine.dispose()
+    assert len(provider) == 1, f"outside call made {len(provider)} times under one key"
+    assert retry.status_code in (409, 202), retry.status_code

@@ -179,3 +179,11 @@ def test_the_outcome_table_covers_every_found_record_neither_replayed_nor_taken_
     }
     assert set(Failure) <= set(OUTCOMES)
     assert isinstance(OUTCOMES[Found.RUNNING].http(), RequestInProgress)
+
+
+def test_a_refusal_code_around_the_guard_went_on_from_no_longer_stands() -> None:
+    attempt = _running()
+    attempt.refuse()
+    attempt.went_on()  # a decorator above the guard caught it
+    attempt.crash()
+    assert attempt.phase is Phase.CRASHED and not attempt.refused
