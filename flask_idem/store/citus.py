@@ -208,8 +208,10 @@ def distribute(
     try:
         return _distribute(ddl_engine, colocate_with, dry_run)
     except sa.exc.SQLAlchemyError as exc:
-        # The server's own message (table names, Citus' reason), never statement parameters.
-        reason = database_message(exc) or type(exc).__name__
+        # The server's own message (table names, Citus' reason), never statement parameters:
+        # DDL quotes no row's values, so even a data exception's words are shown ("replication
+        # factor (1) exceeds number of worker nodes (0)").
+        reason = database_message(exc, rows=False) or type(exc).__name__
         raise CitusError(f"distribution failed: {reason}") from exc
     finally:
         ddl_engine.dispose()

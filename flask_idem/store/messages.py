@@ -25,16 +25,17 @@ _VALUE_BEARING = ("22", "23")
 _DRIVERS = ("psycopg2", "psycopg", "sqlite3")
 
 
-def database_message(exc: BaseException) -> str | None:
+def database_message(exc: BaseException, *, rows: bool = True) -> str | None:
     """The database's own words for the failure behind ``exc`` (its cause chain), or None.
 
     PostgreSQL's primary message and detail (Citus explains its refusals in the detail), one
     line, so that an operator sees why a statement failed; never the statement or its
-    parameters, and never the messages of the classes that may quote a row's values.
+    parameters, and, unless ``rows`` is False (DDL that touches no row's values, such as
+    ``flask idem citus``), never the messages of the classes that may quote a row's values.
     """
     for error in _chain(exc):
         if isinstance(error, sa.exc.DBAPIError):
-            return _driver_words(error.orig)
+            return _driver_words(error.orig, rows=rows)
     return None
 
 
@@ -96,9 +97,9 @@ def _line(error: BaseException) -> str:
     return name
 
 
-def _driver_words(driver_error: t.Any) -> str | None:
+def _driver_words(driver_error: t.Any, *, rows: bool = True) -> str | None:
     """A driver error's primary message and detail, one line; only its class and SQLSTATE
-    when its class may quote a row's values."""
+    when its class may quote a row's values (and ``rows`` says the statement read some)."""
     diagnostics = getattr(driver_error, "diag", None)
     code = str(
         getattr(driver_error, "pgcode", None)
@@ -106,7 +107,7 @@ def _driver_words(driver_error: t.Any) -> str | None:
         or getattr(diagnostics, "sqlstate", None)
         or ""
     )
-    if code[:2] in _VALUE_BEARING:
+    if rows and code[:2] in _VALUE_BEARING:
         return f"{type(driver_error).__name__} (SQLSTATE {code})"
     if diagnostics is None or diagnostics.message_primary is None:
         text = str(driver_error).strip()

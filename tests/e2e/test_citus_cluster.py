@@ -614,3 +614,59 @@ def test_durable_claims_through_every_node_during_shard_moves_claim_each_key_onc
     assert not twice, f"{len(twice)} of {len(records)} keys have more than one record"
     assert [key for key, count in winners.items() if count != 1] == [], "one winner per key"
     assert records.keys() == winners.keys()
+
+
+def test_force_delegation_of_the_atomic_claim_makes_citus_refuse_it(
+    citus_server: CitusCluster,
+) -> None:
+    """Why docs/citus.md says never to distribute the atomic claim with ``force_delegation``:
+    Citus then refuses the claim itself, inside the business transaction."""
+    url = _distribute(citus_server, "flask_idem_citus_forced").url
+    _sql(
+        url,
+        "SELECT create_distributed_function(:f, 'p_tenant', colocate_with => 'idempotency_keys', "
+        "force_delegation => true)",
+        f="idempotency_claim_reserve(text,text,text,bytea,text,double precision,double precision)",
+    )
+    store = create_store(url)
+    try:
+        with store.engine.connect() as connection, connection.begin():
+            with pytest.raises(Exception) as refused:
+                store.claim_atomic(connection, Scope("forced", "POST /p", "k"), FP, ttl=600)
+    finally:
+        store.engine.dispose()
+    chain = [refused.value, refused.value.__cause__, refused.value.__context__]
+    assert any("forced function pushdown" in str(error) for error in chain), chain
+
+
+def test_a_single_node_cluster_claims_once_after_shards_are_allowed_on_the_coordinator(
+    citus_server: CitusCluster,
+) -> None:
+    """A single-node Citus (the coordinator alone, holding the shards): ``flask idem citus``
+    fails with the database's message until the coordinator may hold shards, then
+    distributes, and concurrent claims of one key have one winner and one record."""
+    database, coordinator = "flask_idem_citus_single", citus_server.coordinator
+    citus_server.run(coordinator, f'CREATE DATABASE "{database}"')
+    citus_server.run(coordinator, "CREATE EXTENSION citus", database)
+    host = f"'127.0.0.1', {coordinator.port}"
+    citus_server.run(coordinator, f"SELECT citus_set_coordinator_host({host})", database)
+    url = citus_server.url(coordinator, database)
+    upgrade(url)
+    refused = _cli(url, "citus")
+    assert refused.exit_code != 0 and "exceeds number of worker nodes" in refused.output
+    citus_server.run(
+        coordinator, f"SELECT citus_set_node_property({host}, 'shouldhaveshards', true)", database
+    )
+    distributed = _cli(url, "citus")
+    assert distributed.exit_code == 0, distributed.output
+    store = create_store(url)
+    scope = Scope("single", "POST /p", "one-key")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            claims = list(
+                pool.map(lambda _: store.claim(scope, FP, ttl=600, lease=30).claimed, range(16))
+            )
+    finally:
+        store.engine.dispose()
+    records = _sql(url, "SELECT count(*) FROM idempotency_keys WHERE tenant = 'single'")
+    assert claims.count(True) == 1 and records == [(1,)], (claims, records)
