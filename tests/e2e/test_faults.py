@@ -33,6 +33,7 @@ from flask_idem.store import engines
 from tests.support import pgcluster
 from tests.support.drivers import PG_DRIVERS, spelled_for
 from tests.support.sample_server import BETA, Reply, SampleServer, migrate
+from tests.support.stalled import answered_while, table_locked, timed
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 
@@ -119,12 +120,6 @@ def assert_answer(reply: Reply, statuses: t.Collection[int]) -> None:
         assert reply.json()["type"].endswith("/store-unavailable"), reply.body
 
 
-def timed(call: t.Callable[[], Reply]) -> tuple[Reply, float]:
-    started = time.monotonic()
-    reply = call()
-    return reply, time.monotonic() - started
-
-
 def executions(server: SampleServer, customer: str) -> int:
     return int(server.scalar("SELECT count(*) FROM payments WHERE customer = :c", c=customer))
 
@@ -203,15 +198,13 @@ def test_frozen_database_answers_503_in_time_and_loses_nothing(
     assert done.status == 201
     workers = sorted(server.workers())
     jobs = [(new_key(), new_customer()) for _ in range(6)]
-    with frozen(cluster), concurrent.futures.ThreadPoolExecutor(8) as pool:
-        # Pooled connections (a statement that never returns) and new ones (a postmaster
-        # that never answers the start-up packet) alike.
-        futures = [
-            pool.submit(timed, lambda k=k, c=c: server.pay(k, payment(c), timeout=60))
-            for k, c in jobs
-        ]
-        futures.append(pool.submit(timed, lambda: server.pay(done_key, payment(done_customer))))
-        answered = [future.result() for future in futures]
+    # Pooled connections (a statement that never returns) and new ones (a postmaster
+    # that never answers the start-up packet) alike.
+    calls: list[t.Callable[[], Reply]] = [
+        lambda k=k, c=c: server.pay(k, payment(c), timeout=60) for k, c in jobs
+    ]
+    calls.append(lambda: server.pay(done_key, payment(done_customer)))
+    answered = answered_while(frozen(cluster), calls)
     for reply, seconds in answered:
         assert_answer(reply, {503})
         assert seconds < BOUND, f"answered after {seconds:.1f} s"
@@ -236,10 +229,9 @@ def test_a_frozen_database_answers_503_within_the_stores_bound_rate_limit_includ
     for _ in range(4):
         assert server.pay(new_key(), payment(new_customer())).status == 201
     jobs = [(new_key(), new_customer()) for _ in range(6)]
-    with frozen(cluster), concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        answered = list(
-            pool.map(lambda job: timed(lambda: server.pay(job[0], payment(job[1]))), jobs)
-        )
+    answered = answered_while(
+        frozen(cluster), [lambda k=k, c=c: server.pay(k, payment(c)) for k, c in jobs]
+    )
     for reply, seconds in answered:
         assert_answer(reply, {503})
         assert reply.headers["Idempotency-Key"]
@@ -318,18 +310,10 @@ def test_statements_timing_out_in_flight_keep_keys_out_of_the_server_log(
     assert marker in text, "PostgreSQL logs the statement (with the literal) of an error"
     SENT_KEYS.remove(marker)
 
-    locker = psycopg2.connect(database)
     jobs = [(new_key(), new_customer()) for _ in range(4)]
-    try:
-        with locker.cursor() as cursor:
-            cursor.execute("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            answered = list(
-                pool.map(lambda job: timed(lambda: server.pay(job[0], payment(job[1]))), jobs)
-            )
-    finally:
-        locker.rollback()
-        locker.close()
+    answered = answered_while(
+        table_locked(database), [lambda k=k, c=c: server.pay(k, payment(c)) for k, c in jobs]
+    )
     for reply, seconds in answered:
         assert_answer(reply, {503})
         assert seconds < BOUND

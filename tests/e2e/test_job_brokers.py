@@ -225,6 +225,35 @@ def _wait_for_charge(ledger: Ledger, customer: str, worker: WorkerProcess) -> No
     _wait_for(lambda: ledger.charges(customer), "the first run's charge", worker)
 
 
+Sent = t.TypeVar("Sent")
+
+
+def _killed_after_the_charge(
+    worker: WorkerProcess, send: t.Callable[[], Sent], ledger: Ledger, customer: str
+) -> tuple[Sent, list[str]]:
+    """``send()`` the work to ``worker``, SIGKILL the worker once the first run has charged
+    ``customer``, and check that the kill landed before the commit.
+
+    :return: what ``send()`` returned, and the first run's charge.
+    """
+    try:
+        sent = send()
+        _wait_for_charge(ledger, customer, worker)
+    finally:
+        worker.kill()
+    charge = ledger.charges(customer)
+    assert ledger.payments(customer) == 0, "the kill landed before the commit"
+    return sent, charge
+
+
+def _run_until(worker: WorkerProcess, condition: t.Callable[[], t.Any], what: str) -> None:
+    """Let ``worker`` run until ``condition()`` holds, then stop it (whatever happens)."""
+    try:
+        _wait_for(condition, what, worker)
+    finally:
+        worker.stop()
+
+
 def test_celery_worker_killed_mid_task_is_redelivered_and_charges_once(
     database: str,
     ledger: Ledger,
@@ -239,27 +268,17 @@ def test_celery_worker_killed_mid_task_is_redelivered_and_charges_once(
     runs once."""
     killed, twice = _message("killed"), _message("twice")
     first = _celery_worker(database, celery_project, redis_url, "solo", "first")
-    try:
-        producer.send_task("renew-subscription", args=killed)
-        _wait_for_charge(ledger, killed[5], first)
-    finally:
-        first.kill()
-    charge = ledger.charges(killed[5])
-    assert ledger.payments(killed[5]) == 0, "the kill landed before the commit"
+    _, charge = _killed_after_the_charge(
+        first, lambda: producer.send_task("renew-subscription", args=killed), ledger, killed[5]
+    )
     assert broker.hlen("unacked") == 1, "the message was delivered and never acknowledged"
     producer.send_task("renew-subscription", args=twice)
     producer.send_task("renew-subscription", args=twice)  # the producer publishes twice
-    second = _celery_worker(database, celery_project, redis_url, "solo", "second")
-    try:
-        _wait_for(
-            lambda: (
-                ledger.payments(killed[5]) and ledger.payments(twice[5]) and _celery_idle(broker)
-            ),
-            "every message acknowledged",
-            second,
-        )
-    finally:
-        second.stop()
+    _run_until(
+        _celery_worker(database, celery_project, redis_url, "solo", "second"),
+        lambda: ledger.payments(killed[5]) and ledger.payments(twice[5]) and _celery_idle(broker),
+        "every message acknowledged",
+    )
     assert ledger.charges(killed[5]) == charge, "redelivered: the same charge, not a second one"
     assert ledger.payments(killed[5]) == 1
     assert len(ledger.charges(twice[5])) == 1 and ledger.payments(twice[5]) == 1
@@ -432,28 +451,23 @@ def test_rq_worker_killed_mid_job_is_retried_as_abandoned_and_charges_once(
     killed, twice = _message("killed"), _message("twice")
     # The killed worker runs no scheduler: a dead scheduler's lock would hold retries ~1 min.
     first = _rq_worker(database, rq_project, redis_url, scheduler=False)
-    try:
-        job = queue.enqueue(renew_subscription, *killed, retry=Retry(**RETRY))
-        _wait_for_charge(ledger, killed[5], first)
-    finally:
-        first.kill()
-    charge = ledger.charges(killed[5])
-    assert ledger.payments(killed[5]) == 0, "the kill landed before the commit"
+    job, charge = _killed_after_the_charge(
+        first,
+        lambda: queue.enqueue(renew_subscription, *killed, retry=Retry(**RETRY)),
+        ledger,
+        killed[5],
+    )
     registry = StartedJobRegistry(queue=queue)
     entries = broker.zrange(registry.key, 0, -1, withscores=True)
     assert len(entries) == 1 and entries[0][0].decode().startswith(job.id), entries
     registry.cleanup(timestamp=entries[0][1])  # the moment the dead worker's heartbeat runs out
     assert job.get_status() == JobStatus.SCHEDULED, "abandoned, and retried"
     duplicates = [queue.enqueue(renew_subscription, *twice, retry=Retry(**RETRY)) for _ in "ab"]
-    second = _rq_worker(database, rq_project, redis_url, scheduler=True)
-    try:
-        _wait_for(
-            lambda: all(each.get_status() == JobStatus.FINISHED for each in [job, *duplicates]),
-            "every job finished",
-            second,
-        )
-    finally:
-        second.stop()
+    _run_until(
+        _rq_worker(database, rq_project, redis_url, scheduler=True),
+        lambda: all(each.get_status() == JobStatus.FINISHED for each in [job, *duplicates]),
+        "every job finished",
+    )
     assert ledger.charges(killed[5]) == charge, "retried: the same charge, not a second one"
     assert ledger.payments(killed[5]) == 1
     assert len(ledger.charges(twice[5])) == 1 and ledger.payments(twice[5]) == 1

@@ -44,12 +44,12 @@ from tests.e2e.test_faults import (
     new_key,
     payment,
     settle,
-    timed,
 )
 from tests.e2e.test_sample_app import in_background, wait_for
 from tests.support import pgbouncer, pgcluster
 from tests.support.drivers import PG_DRIVERS, spelled_for
-from tests.support.sample_server import SampleServer, migrate
+from tests.support.sample_server import Reply, SampleServer, migrate
+from tests.support.stalled import answered_while, table_locked
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow, pytest.mark.usefixtures("sqlalchemy_path")]
 
@@ -452,13 +452,11 @@ def test_a_frozen_database_answers_503_in_time_and_loses_nothing(
     done = server.pay(done_key, payment(done_customer))
     assert done.status == 201, done.body
     jobs = [(new_key(), new_customer()) for _ in range(4)]
-    with frozen(cluster), concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [
-            pool.submit(timed, lambda k=k, c=c: server.pay(k, payment(c), timeout=60))
-            for k, c in jobs
-        ]
-        futures.append(pool.submit(timed, lambda: server.pay(done_key, payment(done_customer))))
-        answered = [future.result() for future in futures]
+    calls: list[t.Callable[[], Reply]] = [
+        lambda k=k, c=c: server.pay(k, payment(c), timeout=60) for k, c in jobs
+    ]
+    calls.append(lambda: server.pay(done_key, payment(done_customer)))
+    answered = answered_while(frozen(cluster), calls)
     for reply, seconds in answered:
         assert_answer(reply, {503})
         assert seconds < BOUND, f"answered after {seconds:.1f} s"
@@ -477,17 +475,9 @@ def test_claims_timing_out_keep_keys_out_of_the_server_log(
     transaction, so a claim that times out is logged without its statement (its key)."""
     server = served()
     jobs = [(new_key(), new_customer()) for _ in range(3)]
-    locker = psycopg2.connect(database)
-    try:
-        with locker.cursor() as cursor:
-            cursor.execute("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            answered = list(
-                pool.map(lambda job: timed(lambda: server.pay(job[0], payment(job[1]))), jobs)
-            )
-    finally:
-        locker.rollback()
-        locker.close()
+    answered = answered_while(
+        table_locked(database), [lambda k=k, c=c: server.pay(k, payment(c)) for k, c in jobs]
+    )
     for reply, seconds in answered:
         assert_answer(reply, {503})
         assert seconds < BOUND

@@ -17,6 +17,7 @@ from flask_idem import Idempotency
 from flask_idem.sessions import SessionSettled
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import empty_store
+from tests.support.commit_views import self_committing_app, three_tries
 from tests.support.drivers import (
     PG_DRIVERS,
     db_url_on_each_driver,  # noqa: F401 (the fixture, on each driver)
@@ -74,21 +75,12 @@ def test_a_drivers_own_commit_on_the_stores_connection_is_never_released(
     tables: SQLStore, afterwards: str
 ) -> None:
     store = tables
-    app = Flask("driver-commit")
-    app.config.update(PROPAGATE_EXCEPTIONS=False)
-    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
 
-    @app.post("/pay")
-    @idem.idempotent(release_before_contact=True)
-    def pay() -> t.Any:
-        conn = idem.connection()
-        conn.execute(ledger.insert().values(note="paid"))
+    def commit(conn: sa.Connection) -> None:
         _driver_commit(conn)
         AFTERWARDS[afterwards](conn)
-        return {"error": "provider unavailable"}, 503
 
-    client = app.test_client()
-    answers = [client.post("/pay", headers={"Idempotency-Key": "driver"}) for _ in range(3)]
+    answers = three_tries(self_committing_app("driver-commit", store, ledger, commit), "driver")
     assert _paid(store) == 1, f"{_paid(store)} rows committed for one key"
     assert [a.status_code for a in answers] == [503, 409, 409], "never released"
     assert answers[1].get_json()["type"].endswith("/outcome-pending")

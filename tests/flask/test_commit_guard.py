@@ -19,6 +19,7 @@ from flask_idem import Idempotency
 from flask_idem.commits import ends_transaction
 from flask_idem.store import SQLStore
 from flask_idem.testing import empty_store
+from tests.support.commit_views import self_committing_app, three_tries
 from tests.support.fsa_app import Order, application, db, notes
 
 pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
@@ -54,20 +55,7 @@ def _rows(store: SQLStore) -> int:
 @pytest.mark.parametrize("how", COMMITS)
 def test_a_releasable_views_own_commit_is_never_released(tables: SQLStore, how: str) -> None:
     store = tables
-    app = Flask("self-commit")
-    app.config.update(PROPAGATE_EXCEPTIONS=False)
-    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
-
-    @app.post("/pay")
-    @idem.idempotent(release_before_contact=True)
-    def pay() -> t.Any:
-        conn = idem.connection()
-        conn.execute(ledger.insert().values(note="paid"))
-        COMMITS[how](conn)
-        return {"error": "provider unavailable"}, 503
-
-    client = app.test_client()
-    answers = [client.post("/pay", headers={"Idempotency-Key": "own"}) for _ in range(3)]
+    answers = three_tries(self_committing_app("self-commit", store, ledger, COMMITS[how]), "own")
     assert _rows(store) == 1, f"{_rows(store)} rows committed for one key"
     assert [a.status_code for a in answers] == [503, 409, 409], "never released"
     assert answers[1].get_json()["type"].endswith("/outcome-pending")
@@ -81,20 +69,8 @@ def _commit_below_sqlalchemy(conn: sa.Connection) -> None:
 
 def test_a_commit_below_sqlalchemy_is_never_released(tables: SQLStore) -> None:
     store = tables
-    app = Flask("dbapi-commit")
-    app.config.update(PROPAGATE_EXCEPTIONS=False)
-    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
-
-    @app.post("/pay")
-    @idem.idempotent(release_before_contact=True)
-    def pay() -> t.Any:
-        conn = idem.connection()
-        conn.execute(ledger.insert().values(note="paid"))
-        _commit_below_sqlalchemy(conn)
-        return {"error": "provider unavailable"}, 503
-
-    client = app.test_client()
-    answers = [client.post("/pay", headers={"Idempotency-Key": "dbapi"}) for _ in range(3)]
+    app = self_committing_app("dbapi-commit", store, ledger, _commit_below_sqlalchemy)
+    answers = three_tries(app, "dbapi")
     assert _rows(store) == 1, "one attempt committed; no retry may commit again"
     assert [a.status_code for a in answers] == [503, 409, 409]
     assert answers[1].get_json()["type"].endswith("/outcome-pending")
