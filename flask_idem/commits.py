@@ -43,7 +43,9 @@ they, and a commit on another connection, set :attr:`~flask_idem.attempt.Attempt
 
 The checks wrap the store engine's dialect (``do_commit``, ``do_rollback``, ``do_execute``)
 instead of listening to connection events, in :mod:`flask_idem.store.fast_path` (the one
-module that reaches below SQLAlchemy's public API; it says what that saves). A statement is
+module that reaches below SQLAlchemy's public API; it says what that saves). With
+``IDEMPOTENCY_SQLALCHEMY_FAST_PATH`` off they are SQLAlchemy event listeners (:func:`_listen`),
+the same checks on public API. A statement is
 looked at only when a cheap prefilter (:func:`flask_idem.store.statements.may_end`) finds one
 of those words at its start or after a ``;``; the raw cursors of the PostgreSQL store
 connections run the same prefilter. Counting the driver's commits and rollbacks costs one
@@ -67,12 +69,71 @@ if t.TYPE_CHECKING:
     from .attempt import Attempt
 
 
-def guard_commits(engine: sa.Engine) -> None:
+def guard_commits(engine: sa.Engine, *, fast: bool = True) -> None:
     """Refuse a claimed attempt's own end of its business transaction on ``engine`` (once per
-    dialect, which one engine shared by several applications has once; the dialect is wrapped
-    by :func:`flask_idem.store.fast_path.wrap_dialect`)."""
+    engine, which several applications may share).
+
+    ``fast`` (``IDEMPOTENCY_SQLALCHEMY_FAST_PATH``): the dialect is wrapped
+    (:func:`flask_idem.store.fast_path.wrap_dialect`); off, the same checks listen to
+    SQLAlchemy's public events (:func:`_listen`), at the cost of SQLAlchemy dispatching
+    events around every statement of the engine.
+    """
     commit_count.open_counting(engine)
-    fast_path.wrap_dialect(engine, _GUARD)
+    if fast:
+        fast_path.wrap_dialect(engine, _GUARD)
+    else:
+        _listen(engine)
+
+
+def _listen(engine: sa.Engine) -> None:
+    """The commit guard on public API: the ``commit`` event refuses or notes a commit before
+    it happens, ``before_cursor_execute`` a statement ending the transaction; every end
+    SQLAlchemy makes itself (``commit``, ``rollback``, the pool's reset of a returned
+    connection) is announced to the driver's count first, which leaves it out
+    (:func:`.store.commit_count.sqlalchemy_ends_next`)."""
+    if sa.event.contains(engine, "commit", _on_commit):
+        return
+    sa.event.listen(engine, "commit", _on_commit)
+    sa.event.listen(engine, "rollback", _on_rollback)
+    sa.event.listen(engine, "before_cursor_execute", _on_statement)
+    sa.event.listen(engine, "reset", _on_reset)
+    sa.event.listen(engine, "checkout", _on_checkout)
+
+
+def _on_commit(connection: sa.Connection) -> None:
+    pooled = connection.connection  # what the dialect's do_commit is given
+
+    def rollback() -> None:
+        commit_count.through_sqlalchemy(lambda: connection.dialect.do_rollback(pooled))
+
+    _GUARD.before_commit(pooled, rollback)
+    commit_count.sqlalchemy_ends_next(pooled.dbapi_connection)
+
+
+def _on_rollback(connection: sa.Connection) -> None:
+    if not connection.closed and not connection.invalidated:
+        commit_count.sqlalchemy_ends_next(connection.connection.dbapi_connection)
+
+
+def _on_statement(
+    connection: sa.Connection,
+    cursor: t.Any,
+    statement: str,
+    parameters: t.Any,
+    context: t.Any,
+    executemany: bool,
+) -> None:
+    if _refuse_ending(statement, connection):
+        commit_count.sqlalchemy_ends_next(connection.connection.dbapi_connection)
+
+
+def _on_reset(dbapi_connection: t.Any, _record: t.Any, state: t.Any) -> None:
+    if not state.transaction_was_reset and not state.terminate_only:
+        commit_count.sqlalchemy_ends_next(dbapi_connection)
+
+
+def _on_checkout(dbapi_connection: t.Any, _record: t.Any, _proxy: t.Any) -> None:
+    commit_count.forget_announced_end(dbapi_connection)
 
 
 class _Guard:

@@ -41,6 +41,8 @@ from .statements import ends_transaction, may_end
 #: The attribute holding a connection's count of ends since it was last zeroed.
 ATTRIBUTE = "flask_idem_ends"
 _OPENS_COUNTING = "flask_idem_opens_counting"
+#: Marks an end of the transaction SQLAlchemy announced (:func:`sqlalchemy_ends_next`).
+_ANNOUNCED = "flask_idem_sqlalchemy_ends_next"
 
 #: True while SQLAlchemy itself commits or rolls back (its ``do_commit``, ``do_rollback``).
 _SQLALCHEMY_ENDS: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -107,6 +109,30 @@ def through_sqlalchemy(end: t.Callable[[], _Result]) -> _Result:
         _SQLALCHEMY_ENDS.reset(token)
 
 
+def sqlalchemy_ends_next(dbapi_connection: t.Any) -> None:
+    """The next end of ``dbapi_connection``'s transaction is SQLAlchemy's own, announced by an
+    event before it happens (the commit guard on public API only, :mod:`flask_idem.commits`):
+    the driver's count leaves it out. An end SQLAlchemy announced and then skipped (an
+    invalidated connection, a pool reset after a rollback) leaves the mark until the
+    connection is next checked out (:func:`forget_announced_end`)."""
+    if hasattr(dbapi_connection, ATTRIBUTE):  # a counting connection (not sqlite3's)
+        setattr(dbapi_connection, _ANNOUNCED, True)
+
+
+def forget_announced_end(dbapi_connection: t.Any) -> None:
+    """Drop an announced end that never came: the connection starts a new checkout."""
+    if getattr(dbapi_connection, _ANNOUNCED, False):
+        setattr(dbapi_connection, _ANNOUNCED, False)
+
+
+def _sqlalchemy_own(dbapi_connection: t.Any) -> bool:
+    """Whether this end of a transaction is SQLAlchemy's own (an announced one is used up)."""
+    if getattr(dbapi_connection, _ANNOUNCED, False):
+        setattr(dbapi_connection, _ANNOUNCED, False)
+        return True
+    return _SQLALCHEMY_ENDS.get()
+
+
 def _no_refusal(dbapi_connection: t.Any) -> None:
     """What :data:`refuse_end` is until :mod:`flask_idem.commits` installs its check."""
 
@@ -125,14 +151,7 @@ def refuse_ends_with(check: t.Callable[[t.Any], None]) -> None:
     _refuse_end[0] = check
 
 
-def _before_end(dbapi_connection: t.Any) -> None:
-    if not _SQLALCHEMY_ENDS.get():
-        _refuse_end[0](dbapi_connection)
-
-
 def _ended(dbapi_connection: t.Any, *, may_commit: bool) -> None:
-    if _SQLALCHEMY_ENDS.get():
-        return
     setattr(dbapi_connection, ATTRIBUTE, getattr(dbapi_connection, ATTRIBUTE, 0) + 1)
     if may_commit:
         note_commit()
@@ -146,7 +165,9 @@ def counting(end: _End, *, may_commit: bool = True) -> _End:
     through and was not SQLAlchemy's own."""
 
     def end_and_count(self: t.Any) -> t.Any:
-        _before_end(self)
+        if _sqlalchemy_own(self):
+            return end(self)
+        _refuse_end[0](self)
         result = end(self)
         _ended(self, may_commit=may_commit)
         return result
@@ -171,8 +192,13 @@ def _watching(execute: _End) -> _End:
 
     def execute_and_watch(self: t.Any, query: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
         sql = query if type(query) is str else _sql_of(query, self)
-        if sql is not None and may_end(sql) and ends_transaction(sql):
-            _before_end(self.connection)
+        if (
+            sql is not None
+            and may_end(sql)
+            and ends_transaction(sql)
+            and not _sqlalchemy_own(self.connection)
+        ):
+            _refuse_end[0](self.connection)
             _ended(self.connection, may_commit=True)
         return execute(self, query, *args, **kwargs)
 

@@ -21,9 +21,12 @@ The switch, ``IDEMPOTENCY_SQLALCHEMY_FAST_PATH`` (default True), is read by ``in
 through ``Connection.exec_driver_sql`` (public API): a claim costs SQLAlchemy's execution and
 result machinery again, and failures go through SQLAlchemy's own disconnect handling.
 
-Not done yet: the commit guard still wraps the dialect with the switch off (an event-based
-guard that never misses an end below SQLAlchemy, so that no key that may have committed is
-ever released, is the remaining half of this switch).
+Off, the commit guard listens to SQLAlchemy's connection and pool events instead of wrapping
+the dialect (:func:`flask_idem.commits.guard_commits`): the same refusals and the same notes,
+paying for the event dispatch. What stays the same with the switch off: the counting driver
+connections (:mod:`.commit_count`), which see a transaction ended below SQLAlchemy; they are
+opened by the dialect's ``connect``, replaced on the engine's dialect instance (the pooler's
+``do_connect`` listener calls that same ``connect``).
 """
 
 from __future__ import annotations

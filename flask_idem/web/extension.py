@@ -146,7 +146,7 @@ class Idempotency:
         store.use_audit(settings.audit, settings.audit_retention)
         store.use_archive(settings.archive)
         store.use_fast_path(settings.sqlalchemy_fast_path)
-        guard_commits(store.engine)
+        guard_commits(store.engine, fast=store.fast_path)
         if settings.ensure_partitions and settings.enabled:
             _ensure_partitions(
                 operator_store(store, "IDEMPOTENCY_ENSURE_PARTITIONS"), settings.partitions_ahead

@@ -20,6 +20,8 @@ from tests.support.drivers import (
 )
 from tests.support.fsa_app import Order, application, db, notes
 
+pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
+
 _INSERT = sa.insert(Order.__table__).values(note="paid")  # type: ignore[arg-type]
 
 

@@ -14,6 +14,8 @@ from flask import Flask
 from flask_idem import Idempotency
 from tests.support.fsa_app import Order, application, db, discard
 
+pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
+
 
 @pytest.fixture
 def app(pg_url: str) -> t.Iterator[Flask]:

@@ -23,6 +23,8 @@ from tests.support.drivers import (
 )
 from tests.support.fsa_app import Order, application, db, notes
 
+pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
+
 
 def _cursor_execute(sql: str) -> t.Callable[[t.Any], None]:
     def execute(dbapi_connection: t.Any) -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import sqlalchemy as sa
 from flask import Flask
 
-from flask_idem import Idempotency
+from flask_idem import Idempotency, commits
 from flask_idem.core.config import ConfigurationError, Settings
 from flask_idem.store import create_store
 
@@ -31,3 +32,23 @@ def test_an_application_that_switches_it_off_keeps_its_store_on_public_api(
     Idempotency(off, store=store)
     assert store.fast_path is False
     assert create_store(f"sqlite:///{tmp_path}/other.db").fast_path is True
+
+
+def test_switched_off_the_commit_guard_listens_to_events_instead_of_wrapping_the_dialect(
+    tmp_path: object,
+) -> None:
+    """Off, nothing of the store engine's dialect is replaced: the commit guard's checks
+    (run on both paths by the commit guard's tests) are SQLAlchemy event listeners."""
+    off = Flask("off")
+    off.config["IDEMPOTENCY_SQLALCHEMY_FAST_PATH"] = False
+    store = create_store(f"sqlite:///{tmp_path}/events.db")
+    Idempotency(off, store=store)
+    dialect = store.engine.dialect
+    for name in ("do_commit", "do_rollback", "do_execute", "do_execute_no_params"):
+        assert name not in vars(dialect), f"{name} was replaced on the dialect"
+    assert sa.event.contains(store.engine, "commit", commits._on_commit)
+
+    on = create_store(f"sqlite:///{tmp_path}/wrapped.db")
+    Idempotency(Flask("on"), store=on)
+    assert "do_commit" in vars(on.engine.dialect)
+    assert not sa.event.contains(on.engine, "commit", commits._on_commit)

@@ -8,6 +8,7 @@ crash (``unknown``), so no retry replays a success that never committed.
 from __future__ import annotations
 
 import typing as t
+import uuid
 
 import pytest
 from flask import Flask
@@ -15,6 +16,8 @@ from flask import Flask
 from flask_idem import Idempotency
 from flask_idem.sessions import SessionSettled
 from tests.support.fsa_app import Order, application, db, notes
+
+pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
 
 
 def _end_by_close() -> None:
@@ -60,7 +63,8 @@ def test_a_view_that_ends_the_session_never_stores_its_answer(
     with app.app_context():
         db.create_all()
     client = app.test_client()
-    headers = {"Idempotency-Key": f"ended-{how.replace(' ', '-')}"}
+    # The database outlives the test: a key of its own for each run.
+    headers = {"Idempotency-Key": f"ended-{how.replace(' ', '-')}-{uuid.uuid4().hex[:8]}"}
     first = client.post("/orders", headers=headers)
     retry = client.post("/orders", headers=headers)
     assert notes(app) == [], "the rows were never committed"
