@@ -75,7 +75,8 @@ IN_FLIGHT_RETRY_AFTER = 1
 
 
 class Phase(enum.Enum):
-    """Where an attempt is. What happens next is decided by the phase alone."""
+    """Where an attempt is. What happens next is decided by the phase, and by the few facts
+    the phase does not carry (``work_lost``, ``rolled_back``, ``committed``, ``contacted``)."""
 
     #: It holds no key and will claim none: an unprotected view's or job's business
     #: transaction (``idem.connection()``), or a protected request that claims nothing.
@@ -391,6 +392,11 @@ class Attempt:
     #: (``db.session.close()``, ``remove()``, a rollback whose refusal the view caught): the
     #: view's writes are gone, so its answer must never be stored or sent.
     work_lost: bool = False
+    #: The business transaction was rolled back while the attempt held the key, by the view
+    #: or a hook, not by flask_idem (``idem.connection().rollback()``, a hook's
+    #: ``db.session.rollback()``): what it wrote before is gone, so a success answer does not
+    #: stand for what committed and is never stored (an error answer is).
+    rolled_back: bool = False
     #: The attempt's business transaction was committed, or ended by a statement of the view's
     #: own (``COMMIT``, ``END``), outside flask_idem: it can never prove it committed nothing.
     committed: bool = False
@@ -408,8 +414,6 @@ class Attempt:
     #: The driver-level commits this attempt's context made on the store's engine, counted
     #: from its claim (:mod:`.store.commit_count`).
     tally: commit_count.Tally | None = None
-    #: The phases it went through, oldest first.
-    path: list[Phase] = dataclasses.field(init=False)
     #: ``idem.refuse()`` ended the view or job, and nothing around the guard went on after it
     #: (see :meth:`went_on`).
     _refusal_stands: bool = dataclasses.field(default=False, init=False)
@@ -419,13 +423,11 @@ class Attempt:
 
     def __post_init__(self) -> None:
         self.phase = Phase.UNCLAIMED if self.scope is None else Phase.CLAIMING
-        self.path = [self.phase]
 
     # -- the phase ---------------------------------------------------------------------
 
     def _move(self, to: Phase) -> None:
         self.phase = advance(self.phase, to)
-        self.path.append(to)
 
     @property
     def holding(self) -> bool:
@@ -491,6 +493,11 @@ class Attempt:
         """Its business transaction committed (or may have) outside flask_idem: what it wrote
         stays whatever happens next, so the key is never given back."""
         self.committed = True
+
+    def note_rolled_back(self) -> None:
+        """Its business transaction was rolled back outside flask_idem (see
+        :attr:`rolled_back`)."""
+        self.rolled_back = True
 
     def lose_work(self) -> None:
         """Its business transaction ended under the view, not through flask_idem."""
@@ -684,7 +691,7 @@ class Attempt:
         result = self.app_state.store.claim(self.scope, digest, ttl=ttl, lease=lease)
         if not result.claimed:
             return result.record
-        self.own(result, lease)
+        self._own(result, lease)
         return None
 
     def take_over(self, record: Record, lease: float) -> bool:
@@ -695,7 +702,7 @@ class Attempt:
         taken = self.app_state.store.take_over(record.scope, record.claim_token, lease=lease)
         if taken is None:
             return False
-        self.own(dataclasses.replace(taken, taken_over=True), lease)
+        self._own(dataclasses.replace(taken, taken_over=True), lease)
         return True
 
     def claim_atomic(self, digest: bytes, *, ttl: float) -> ClaimResult | None:
@@ -716,7 +723,7 @@ class Attempt:
             self.view_started = time.monotonic()
         return result
 
-    def own(self, claim: ClaimResult, lease: float) -> None:
+    def _own(self, claim: ClaimResult, lease: float) -> None:
         """The attempt holds the key: remember the token and keep renewing the lease."""
         assert self.scope is not None
         self.token = claim.token

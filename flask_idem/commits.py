@@ -54,6 +54,7 @@ Python call and a context variable per commit or rollback.
 
 from __future__ import annotations
 
+import re
 import typing as t
 
 import psycopg2.extensions
@@ -111,6 +112,7 @@ def _on_commit(connection: sa.Connection) -> None:
 
 
 def _on_rollback(connection: sa.Connection) -> None:
+    _note_rollback(lambda c: c is connection)
     if not connection.closed and not connection.invalidated:
         commit_count.sqlalchemy_ends_next(connection.connection.dbapi_connection)
 
@@ -160,6 +162,10 @@ class _Guard:
             attempt.note_committed()  # commit as you go: allowed, but never released after it
 
     @staticmethod
+    def before_rollback(dbapi_connection: t.Any) -> None:
+        _note_rollback(lambda c: c.connection is dbapi_connection)
+
+    @staticmethod
     def ending(statement: str, connection: sa.Connection) -> bool:
         return _refuse_ending(statement, connection)
 
@@ -167,6 +173,8 @@ class _Guard:
 
 
 _GUARD = _Guard()
+#: An ending statement that may be a rollback (``ROLLBACK``, ``ABORT``), not only a commit.
+_ROLLS_BACK = re.compile(r"\b(rollback|abort)\b", re.IGNORECASE)
 
 
 def _refuse_ending(statement: str, connection: sa.Connection) -> bool:
@@ -188,7 +196,17 @@ def _refuse_ending(statement: str, connection: sa.Connection) -> bool:
         )
     else:
         attempt.note_committed()  # it may commit: from now on the attempt is never released
+        if _ROLLS_BACK.search(statement) is not None:
+            attempt.note_rolled_back()  # or it rolled back what the view wrote
     return True
+
+
+def _note_rollback(is_it: t.Callable[[sa.Connection], bool]) -> None:
+    """A rollback of the business transaction by the view or a hook (flask_idem's own is not
+    seen here): what it wrote before is gone (see :attr:`.Attempt.rolled_back`)."""
+    attempt = _running_attempt()
+    if attempt is not None and _business(attempt, is_it):
+        attempt.note_rolled_back()
 
 
 def _refuse_below(dbapi_connection: t.Any) -> None:

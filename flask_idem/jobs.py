@@ -27,9 +27,9 @@ larger than ``IDEMPOTENCY_MAX_BODY``
 lost its lease to a re-run                     the taker's                ``JobInProgress`` (the
                                                                           first run raises it)
 ended its business transaction itself         released if releasable,    as released or
-(``db.session.close()`` or ``remove()``, the   else ``unknown``; never    ``unknown``; the run
-driver's ``commit()`` or ``rollback()``)       its result                 raises
-                                                                          ``JobOutcomePending``
+(``db.session.close()`` or ``remove()``, a     else ``unknown``; never    ``unknown``; the run
+rollback, the driver's ``commit()`` or         its result                 raises
+``rollback()``)                                                           ``JobOutcomePending``
 same key with other arguments                  unchanged                  ``JobKeyReused``
 the store fails at the claim                   nothing                    ``StoreUnavailable``
 =============================================  =========================  ======================
@@ -242,6 +242,8 @@ def _execute(
     attempt.note_replaced_session()
     if attempt.work_lost:
         lost = "the job ended its business transaction itself"
+    elif attempt.rolled_back:
+        lost = "the job rolled its business transaction back"
     elif attempt.note_ended_below():
         lost = "the job ended its business transaction below SQLAlchemy"
     else:

@@ -67,13 +67,23 @@ class RequestStore(abc.ABC):
         #: dropped at once).
         self.archive: Archive | None = None
         self._archive_configured = False
+        self._fast_path_configured = False
 
     def use_fast_path(self, enabled: bool) -> None:
         """Take SQLAlchemy's private shortcuts or not (``IDEMPOTENCY_SQLALCHEMY_FAST_PATH``;
-        ``init_app`` calls this). A store serving several applications keeps to public API
-        as soon as one of them asks for it."""
-        if not enabled:
-            self.fast_path = False
+        ``init_app`` calls this). A store already on public API only keeps to it.
+
+        :raises ConfigurationError: the store already serves an application on the fast path
+            (its engine's dialect is wrapped) and this one asks for public API only.
+        """
+        wanted = self.fast_path and enabled
+        if self._fast_path_configured and wanted != self.fast_path:
+            raise ConfigurationError(
+                "this store already serves an application with IDEMPOTENCY_SQLALCHEMY_FAST_PATH "
+                "on; give an application that switches it off its own store"
+            )
+        self.fast_path = wanted
+        self._fast_path_configured = True
 
     def use_audit(self, enabled: bool, retention: float | None = None) -> None:
         """Audit every state transition (``IDEMPOTENCY_AUDIT``; ``init_app`` calls this).

@@ -17,7 +17,7 @@ Two shortcuts live here, and nowhere else:
   cost a protected request 6% of its instructions (``valgrind --tool=callgrind``).
 
 The switch, ``IDEMPOTENCY_SQLALCHEMY_FAST_PATH`` (default True), is read by ``init_app``
-(:meth:`flask_idem.store.base.Store.use_fast_path`). Off, the store runs every statement
+(:meth:`flask_idem.store.base.RequestStore.use_fast_path`). Off, the store runs every statement
 through ``Connection.exec_driver_sql`` (public API): a claim costs SQLAlchemy's execution and
 result machinery again, and failures go through SQLAlchemy's own disconnect handling.
 
@@ -36,9 +36,6 @@ import logging
 import typing as t
 
 import sqlalchemy as sa
-
-#: ``Config`` key of the switch (declared in :class:`flask_idem.core.config.Settings`).
-CONFIG_KEY = "IDEMPOTENCY_SQLALCHEMY_FAST_PATH"
 
 _WRAPPED = "flask_idem_commit_guard"
 
@@ -170,6 +167,9 @@ class DialectGuard(t.Protocol):
         """SQLAlchemy is about to commit on ``dbapi_connection``: raise to refuse it (after
         ``rollback()``, since SQLAlchemy counts a failed commit's transaction as over)."""
 
+    def before_rollback(self, dbapi_connection: t.Any) -> None:
+        """SQLAlchemy is about to roll back on ``dbapi_connection``."""
+
     def ending(self, statement: str, connection: sa.Connection) -> bool:
         """Refuse (raise) or note a statement of ``connection`` that ends its transaction;
         True when it ends one (the driver's count then leaves it out)."""
@@ -196,6 +196,7 @@ def wrap_dialect(engine: sa.Engine, guard: DialectGuard) -> None:
         through(lambda: commit(dbapi_connection))
 
     def do_rollback(dbapi_connection: t.Any) -> None:
+        guard.before_rollback(dbapi_connection)
         through(lambda: rollback(dbapi_connection))
 
     def ends(statement: str, context: t.Any) -> bool:

@@ -52,6 +52,8 @@ any other answer streamed or larger than       ``unstored`` (sent with    409 ``
 ``MAX_BODY``                                   ``Idempotent-Stored``)     stored``
 lost its lease to a takeover                   the taker's                409 ``request-in-
                                                                           progress``
+its business transaction rolled back by the    given up as after an       as released or
+view or a later hook, then a success answer    exception (500)            ``unknown``
 =============================================  =========================  ======================
 
 An ``unknown`` record (or one in progress past its lease) is re-run by a retry only on a
@@ -401,6 +403,10 @@ def finish(attempt: Attempt, response: Response) -> Response:
     if attempt.phase is Phase.REFUSED:
         attempt.give_up("the view refused the request")
         return response
+    if attempt.rolled_back and response.status_code < 400:
+        # The view (or a hook) rolled back what it wrote, then answered a success: the
+        # answer does not stand for what committed. (An error answer after a rollback does.)
+        return _unrecorded(attempt, "the business transaction was rolled back before a success")
     if (
         response.status_code in app_state.settings.never_store
         or response.status_code not in STORABLE_STATUSES

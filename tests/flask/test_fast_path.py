@@ -19,18 +19,27 @@ def test_the_fast_path_is_on_by_default_and_a_flag() -> None:
         Settings.from_mapping({"IDEMPOTENCY_SQLALCHEMY_FAST_PATH": "sometimes"})
 
 
-def test_an_application_that_switches_it_off_keeps_its_store_on_public_api(
+def test_a_store_on_the_fast_path_refuses_an_application_that_switches_it_off(
     tmp_path: object,
 ) -> None:
-    """Off in one application is off for its store, also when another one left it on."""
-    store = create_store(f"sqlite:///{tmp_path}/off.db")
-    on = Flask("on")
-    Idempotency(on, store=store)
+    """Its dialect is wrapped already: the application asking for public API only would get
+    both the wrapped dialect and the event listeners. A store switched off first stays off."""
+    store = create_store(f"sqlite:///{tmp_path}/on.db")
+    Idempotency(Flask("on"), store=store)
     assert store.fast_path is True
     off = Flask("off")
     off.config["IDEMPOTENCY_SQLALCHEMY_FAST_PATH"] = False
-    Idempotency(off, store=store)
-    assert store.fast_path is False
+    with pytest.raises(ConfigurationError, match="its own store"):
+        Idempotency(off, store=store)
+    assert store.fast_path is True and not sa.event.contains(
+        store.engine, "commit", commits._on_commit
+    )
+
+    public = create_store(f"sqlite:///{tmp_path}/off.db")
+    Idempotency(off, store=public)
+    Idempotency(Flask("default"), store=public)  # keeps to public API, as asked first
+    assert public.fast_path is False
+    assert "do_commit" not in vars(public.engine.dialect)
     assert create_store(f"sqlite:///{tmp_path}/other.db").fast_path is True
 
 
