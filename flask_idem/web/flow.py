@@ -54,6 +54,12 @@ lost its lease to a takeover                   the taker's                409 ``
                                                                           progress``
 =============================================  =========================  ======================
 
+Every answer of a claimed request that no retry gets back (released, ``unknown``, ``unstored``,
+the taker's) says so with ``Idempotent-Stored: false`` (:func:`unreplayed`), except the 503 of a
+commit that may have gone through; a stored answer and its replays carry
+``Idempotency-Retention``, the whole seconds the key still replays it. A new key over the
+tenant's limit (:mod:`.key_limit`) is refused 429 before the claim.
+
 An ``unknown`` record (or one in progress past its lease) is re-run by a retry only on a
 ``recovery="reexecute"`` view, as a fenced takeover of the same record: one winner, and the
 same downstream keys, so a deduplicating provider sees one operation. On ``recovery="fail"``

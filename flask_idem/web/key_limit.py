@@ -28,6 +28,7 @@ import functools
 import hashlib
 import logging
 import math
+import threading
 import time
 import typing as t
 
@@ -54,7 +55,8 @@ class KeyLimiter:
     Flask-Limiter initialised after flask_idem is found too)."""
 
     def __init__(self) -> None:
-        self._strategy: RateLimiter | None = None
+        self._found: t.Callable[[], RateLimiter] | None = None
+        self._lock = threading.Lock()
 
     def applying(self, settings: Settings, options: ViewOptions, scope: Scope) -> KeyLimit | None:
         """The limit the request's new key counts against, or None (no limit)."""
@@ -70,9 +72,13 @@ class KeyLimiter:
         return KeyLimit(self.strategy(), _parsed(spelled), (NAMESPACE, digest))
 
     def strategy(self) -> RateLimiter:
-        if self._strategy is None:
-            self._strategy = _find_strategy()
-        return self._strategy
+        """The strategy to count with, asked of Flask-Limiter on every use (it switches to
+        its in-memory fallback while its storage is down, when configured to)."""
+        if self._found is None:
+            with self._lock:  # one memory storage per application, never two half-counted
+                if self._found is None:
+                    self._found = _find_strategy()
+        return self._found()
 
 
 class KeyLimit:
@@ -127,7 +133,7 @@ def _parsed(spelled: str) -> tuple[RateLimitItem, ...]:
     return tuple(limits.parse_many(spelled))
 
 
-def _find_strategy() -> RateLimiter:
+def _find_strategy() -> t.Callable[[], RateLimiter]:
     """The application's Flask-Limiter's strategy (with its storage), else a moving window
     over ``limits``' memory storage."""
     registered = list(current_app.extensions.get("limiter", ()))
@@ -137,11 +143,13 @@ def _find_strategy() -> RateLimiter:
             "and flask_idem cannot tell which storage to count new keys in"
         )
     if registered:
-        return t.cast("RateLimiter", registered[0].limiter)
+        limiter = registered[0]
+        return lambda: t.cast("RateLimiter", limiter.limiter)
     from limits.storage import MemoryStorage
     from limits.strategies import MovingWindowRateLimiter
 
-    return MovingWindowRateLimiter(MemoryStorage())
+    strategy = MovingWindowRateLimiter(MemoryStorage())
+    return lambda: strategy
 
 
 @contextlib.contextmanager

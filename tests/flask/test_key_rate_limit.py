@@ -16,8 +16,8 @@ from flask_limiter import Limiter
 from flask_limiter.util import get_remote_address
 
 from flask_idem import ConfigurationError, Idempotency, Scope, State
-from flask_idem.store import SQLStore
 from flask_idem.core.fingerprint import fingerprint
+from flask_idem.store import SQLStore
 from tests.support.answers import PAYMENT, assert_problem, post
 from tests.support.helpers import Counter
 
