@@ -42,6 +42,7 @@ from .core.errors import (
     JobKeyReused,
     JobOutcomePending,
     JobResultNotStored,
+    JobResultUnreadable,
     StoreUnavailable,
 )
 from .core.idempotency_keys import key_hash
@@ -53,12 +54,14 @@ from .core.problem import (
     Problem,
     RequestInProgress,
     ResponseNotStored,
+    StoredResponseUnreadable,
+    StoreUnavailableProblem,
 )
 from .core.record import ClaimResult, Record, Reservation, Scope, State, StoredResponse
 from .lease import Watch
 from .observers import call_observer
 from .sessions import replaced, roll_back_fresh
-from .state import ATTEMPT_SLOT, SESSION_STATE, AppState, Trace, current_attempt
+from .state import ATTEMPT_SLOT, SESSION_ATTEMPT, AppState, Trace, current_attempt
 from .store import commit_count
 from .store.engines import OneDeadline
 from .store.messages import redacted
@@ -132,10 +135,16 @@ def advance(phase: Phase, to: Phase) -> Phase:
 class Found(enum.Enum):
     """What an existing record means for a new attempt with the same key."""
 
+    #: The row cannot be read at all: neither replayed, compared nor taken over, until an
+    #: operator repairs or deletes it.
+    DAMAGED = "damaged"
     #: The key came back with another request: refuse (a caller bug, never a retry).
     MISMATCH = "mismatch"
     #: The operation completed: replay its stored result.
     COMPLETED = "completed"
+    #: The operation completed but its stored result cannot be decrypted here: never a replay
+    #: of garbage, never a second run; wait for the key to be configured.
+    UNREADABLE = "unreadable"
     #: The operation ran but its result could not be stored: refuse, never run it again.
     UNSTORED = "unstored"
     #: Its owner is alive (the lease is held): wait, or tell the caller to retry later.
@@ -156,14 +165,22 @@ class Failure(enum.Enum):
     #: Its business transaction ended before its answer, not through flask_idem (closed,
     #: removed, ended below SQLAlchemy): its answer does not stand for what committed.
     WORK_LOST = "work_lost"
+    #: The store failed while committing the result: it may or may not be recorded.
+    COMMIT_UNCERTAIN = "commit_uncertain"
+    #: The store failed before the commit, and the attempt provably committed nothing.
+    STORE_FAILED_UNCHANGED = "store_failed_unchanged"
+    #: The store failed before the commit, after what may have had an effect.
+    STORE_FAILED_UNKNOWN = "store_failed_unknown"
 
 
 def classify(record: Record, digest: bytes, recovery: Recovery) -> Found:
     """The decision for an attempt whose claim found ``record``."""
+    if record.damaged is not None:
+        return Found.DAMAGED
     if record.fingerprint != digest:
         return Found.MISMATCH
     if record.state is State.COMPLETED:
-        return Found.COMPLETED
+        return Found.UNREADABLE if record.unreadable is not None else Found.COMPLETED
     if record.state is State.UNSTORED:
         return Found.UNSTORED
     if record.state is State.IN_PROGRESS and not record.lease_expired:
@@ -176,40 +193,82 @@ def classify(record: Record, digest: bytes, recovery: Recovery) -> Found:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """One row of the outcome table: the event, the HTTP answer and the job answer."""
+    """One row of the outcome table: the event, the log record, the HTTP answer and the job
+    answer."""
 
-    #: The transition it is (None: giving the key up reports it).
+    #: The transition it is (None: no event; giving the key up reports its own).
     signal: NamedSignal | None
     #: The event carries the found record's state.
     with_state: bool
-    #: A view's answer: the problem and its detail (None: the view renders it).
-    problem: type[Problem] | None
+    #: A view's answer: the problem and its detail.
+    problem: type[Problem]
     detail: str
-    #: A job's answer: the error it raises and what it says of the message.
+    #: A job's answer: the error it raises (None: the store's own error, raised again) and
+    #: what it says of the message (``{reason}``: what is wrong with the record).
     job_error: type[JobError] | None
     job_says: str
+    #: An error logged with the record's reason (``%s``), for a record nobody can act on
+    #: until an operator does.
+    log: str | None = None
+    #: A job's countdown whatever the lease says (an operator's repair takes its time).
+    job_retry_after: float | None = None
 
     def http(self) -> Problem:
         """The problem a view answers."""
-        assert self.problem is not None
         if self.problem is RequestInProgress:
             return RequestInProgress(self.detail, retry_after=IN_FLIGHT_RETRY_AFTER)
         return self.problem(self.detail)
 
-    def job(self, scope: Scope, *, retry_after: float | None = None) -> JobError:
+    def job(
+        self, scope: Scope, *, reason: str | None = None, retry_after: float | None = None
+    ) -> JobError:
         """The error a job raises for the message of ``scope``."""
         assert self.job_error is not None
-        message = f"{scope.endpoint} message {key_hash(scope)} {self.job_says}"
+        says = self.job_says if reason is None else self.job_says.format(reason=reason)
+        message = f"{scope.endpoint} message {key_hash(scope)} {says}"
+        if self.job_retry_after is not None:
+            retry_after = self.job_retry_after
         if retry_after is None:
             return self.job_error(message)
         return self.job_error(message, retry_after=retry_after)
 
 
+def reason(record: Record) -> str | None:
+    """What is wrong with a record that cannot be acted on (damaged, or unreadable here)."""
+    return record.damaged if record.damaged is not None else record.unreadable
+
+
 _IN_PROGRESS = "A request with this idempotency key is still being processed; retry later."
+_UNREADABLE = (
+    "The original request completed, but its stored response cannot be read on this "
+    "server; it was not executed again. Retry later with the same key."
+)
 
 #: What a found record that is neither replayed nor taken over, and a failure after the run,
 #: lead to. (A completed record is replayed, a re-run taken over: see the callers.)
 OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
+    Found.DAMAGED: Outcome(
+        None,
+        False,
+        StoredResponseUnreadable,
+        _UNREADABLE,
+        JobResultUnreadable,
+        "has a stored record that is damaged ({reason}); redeliver once an operator has "
+        "repaired or deleted it",
+        log="stored record damaged: %s",
+        job_retry_after=30,
+    ),
+    Found.UNREADABLE: Outcome(
+        None,
+        False,
+        StoredResponseUnreadable,
+        _UNREADABLE,
+        JobResultUnreadable,
+        "ran, but its stored result cannot be decrypted here ({reason}); redeliver once the "
+        "key is configured",
+        log="stored result unreadable: %s",
+        job_retry_after=30,
+    ),
     Found.MISMATCH: Outcome(
         signals.mismatch,
         True,
@@ -264,6 +323,34 @@ OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
         JobOutcomePending,
         "ended its database transaction itself: its result was not recorded and its effect "
         "is unknown",
+    ),
+    Failure.COMMIT_UNCERTAIN: Outcome(
+        None,
+        False,
+        StoreUnavailableProblem,
+        "The database failed while committing the result, which may or may not have been "
+        "recorded. Retry with the same key: the retry replays it or finishes the operation, "
+        "never runs it twice.",
+        None,
+        "",
+    ),
+    Failure.STORE_FAILED_UNCHANGED: Outcome(
+        None,
+        False,
+        StoreUnavailableProblem,
+        "The idempotency store failed before the result was committed; nothing was "
+        "changed. Retry with the same key.",
+        None,
+        "",
+    ),
+    Failure.STORE_FAILED_UNKNOWN: Outcome(
+        None,
+        False,
+        StoreUnavailableProblem,
+        "The idempotency store failed before the result was recorded. The operation may "
+        "have taken effect outside this service; retry with the same key, never a new one.",
+        None,
+        "",
     ),
 }
 
@@ -366,12 +453,12 @@ class Attempt:
         """``idem.refuse()`` ended its view or job, which therefore did nothing."""
         return self._refusal_stands
 
-    def answered(self) -> None:
+    def mark_answered(self) -> None:
         """The view returned, or raised an ``HTTPException``."""
         if self.phase is Phase.RUNNING:
             self._move(Phase.ANSWERED)
 
-    def refuse(self) -> None:
+    def mark_refused(self) -> None:
         """``idem.refuse()`` ended the view or job."""
         if self.phase is Phase.RUNNING:
             self._move(Phase.REFUSED)
@@ -387,13 +474,23 @@ class Attempt:
         thing: it leaves the refusal standing."""
         self._refusal_stands = False
 
-    def crash(self) -> None:
+    def mark_crashed(self) -> None:
         """The view or job raised, or an exception followed its answer (never undone: a
         later answer of the same failure, seen by an outer guard, is no success)."""
         if self.phase in (Phase.RUNNING, Phase.ANSWERED, Phase.REFUSED):
             self._move(Phase.CRASHED)
         elif self.phase in (Phase.UNCLAIMED, Phase.CLAIMING):
             self._move(Phase.FAILED)
+
+    def contact(self) -> None:
+        """The view or job is about to contact the outside world (``downstream_key()``,
+        ``side_effect()``): from now on a failure never gives the key back."""
+        self.contacted = True
+
+    def note_committed(self) -> None:
+        """Its business transaction committed (or may have) outside flask_idem: what it wrote
+        stays whatever happens next, so the key is never given back."""
+        self.committed = True
 
     def lose_work(self) -> None:
         """Its business transaction ended under the view, not through flask_idem."""
@@ -436,8 +533,12 @@ class Attempt:
         events.emit(signal, self.scope, fingerprint=self.fingerprint, since=since, **extra)
 
     def emit_found(self, found: Found | Failure, record: Record | None = None) -> Outcome:
-        """Send the event of ``found``'s row of :data:`OUTCOMES`, and return the row."""
+        """Send the event (and log the error) of ``found``'s row of :data:`OUTCOMES`, and
+        return the row."""
         outcome = OUTCOMES[found]
+        if outcome.log is not None:
+            assert record is not None
+            log.error(outcome.log, reason(record), extra={"key_hash": key_hash(record.scope)})
         if outcome.signal is not None:
             if outcome.with_state:
                 assert record is not None
@@ -456,12 +557,12 @@ class Attempt:
 
             call_observer("flask_idem tracer: begin", begin)
 
-    def completing(self) -> None:
+    def trace_completing(self) -> None:
         """The view or job is over; tell the trace, if any."""
         if self.trace is not None:
             self._tell_trace("completing", self.trace.completing)
 
-    def failed(self, error: BaseException) -> None:
+    def trace_failure(self, error: BaseException) -> None:
         """The view or job raised ``error``; tell the trace, if any."""
         if self.trace is not None:
             trace = self.trace
@@ -500,7 +601,7 @@ class Attempt:
             self.session = self.app_state.sessions.scoped()
         # Also for a session taken over from an earlier attempt (a hook's idem.connection()):
         # the commit guard must see the claimed attempt, not the hook's unprotected one.
-        self.session.info[SESSION_STATE] = self
+        self.session.info[SESSION_ATTEMPT] = self
         return self.session
 
     def flush(self) -> None:
@@ -540,7 +641,7 @@ class Attempt:
         session's to close (Flask-SQLAlchemy removes the session at app context teardown)."""
         try:
             if self.session is not None:
-                self.session.info.pop(SESSION_STATE, None)
+                self.session.info.pop(SESSION_ATTEMPT, None)
                 if self.session.in_transaction():
                     self.rollback()
             elif self.connection is not None:
@@ -723,12 +824,13 @@ class Attempt:
         # The token no longer owns the record (a retry took it over): nothing changed here.
         self.emit(signal if done else signals.lease_lost, reason=reason)
 
-    def store_failed_after_run(self, ran: str) -> bool:
-        """The result could not be recorded: report it once and give the key up.
+    def record_failed(self, error: StoreUnavailable, *, ran: str) -> Failure | None:
+        """The result could not be recorded (:meth:`complete` raised ``error``): report it
+        once, give the key up, and say which row of :data:`OUTCOMES` answers it.
 
         :param ran: who ran (``"view"``, ``"job"``), for the reason given.
-        :returns: True when its effects happened outside the business transaction (there
-            was none): the key stays taken, and the caller still gets what the run produced.
+        :returns: None when its effects happened outside the business transaction (there was
+            none): the key stays taken, and the caller still gets what the run produced.
         """
         self.emit(signals.store_unavailable, stage="complete")
         self.store_failed = True
@@ -736,8 +838,14 @@ class Attempt:
             # Its effects happened outside our transaction: the key must stay taken.
             self.contacted = True
             self.give_up(f"the store failed after the {ran} ran")
-            return True
-        return False
+            return None
+        unchanged = self.releasable
+        if isinstance(error, CommitUncertain):
+            # The commit itself failed: it may have gone through before the answer was lost.
+            self.give_up("the store failed while committing: the result may or may not be recorded")
+            return Failure.COMMIT_UNCERTAIN
+        self.give_up("the store failed before the commit")
+        return Failure.STORE_FAILED_UNCHANGED if unchanged else Failure.STORE_FAILED_UNKNOWN
 
     def note_replaced_session(self) -> None:
         """``db.session.remove()`` in the view: its writes in the removed session are gone, and

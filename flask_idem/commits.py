@@ -141,21 +141,23 @@ class _Guard:
 
     @staticmethod
     def before_commit(dbapi_connection: t.Any, rollback: t.Callable[[], None]) -> None:
-        state = _running_attempt()
-        if state is not None and not _business(state, lambda c: c.connection is dbapi_connection):
-            _note_elsewhere(state)
-        elif state is not None and _refused(state):
+        attempt = _running_attempt()
+        if attempt is None:
+            return
+        if not _business(attempt, lambda c: c.connection is dbapi_connection):
+            _note_elsewhere(attempt)
+        elif _refused(attempt):
             # SQLAlchemy counts a failed commit's transaction as over and would never roll
             # it back (SQLite's write lock held until the pool resets the connection): roll
             # back here. The view's writes are gone, so its answer is never stored.
             rollback()
-            state.lose_work()
+            attempt.lose_work()
             raise SessionSettled(
                 "an atomic view, or one whose business transaction is db.session's, must not "
                 "commit it: flask_idem commits it with the stored response"
             )
-        elif state is not None:
-            state.committed = True  # commit as you go: allowed, but never released after it
+        else:
+            attempt.note_committed()  # commit as you go: allowed, but never released after it
 
     @staticmethod
     def ending(statement: str, connection: sa.Connection) -> bool:
@@ -173,19 +175,19 @@ def _refuse_ending(statement: str, connection: sa.Connection) -> bool:
     (see :mod:`.store.commit_count`)."""
     if not may_end(statement) or not ends_transaction(statement):
         return False
-    state = _running_attempt()
-    if state is None:
+    attempt = _running_attempt()
+    if attempt is None:
         return True
-    if not _business(state, lambda c: c is connection):
-        _note_elsewhere(state)
-    elif _refused(state):
+    if not _business(attempt, lambda c: c is connection):
+        _note_elsewhere(attempt)
+    elif _refused(attempt):
         raise SessionSettled(
             "an atomic view, or one whose business transaction is db.session's, must not end "
             "it with a statement (COMMIT, END, ROLLBACK): flask_idem commits it with the "
             "stored response"
         )
     else:
-        state.committed = True  # it may commit: from now on the attempt is never released
+        attempt.note_committed()  # it may commit: from now on the attempt is never released
     return True
 
 
@@ -193,10 +195,10 @@ def _refuse_below(dbapi_connection: t.Any) -> None:
     """Refuse an end below SQLAlchemy of a refused business transaction before it happens:
     seen only afterwards, a process killed in between would leave the rows published without
     their record, and the retry would run again."""
-    state = _running_attempt()
-    if state is None or not _refused(state):
+    attempt = _running_attempt()
+    if attempt is None or not _refused(attempt):
         return
-    if _business(state, lambda c: c.connection.dbapi_connection is dbapi_connection):
+    if _business(attempt, lambda c: c.connection.dbapi_connection is dbapi_connection):
         raise SessionSettled(
             "an atomic view, or one whose business transaction is db.session's, must not end "
             "it through the driver (commit(), rollback(), COMMIT through a cursor): flask_idem "
@@ -207,17 +209,17 @@ def _refuse_below(dbapi_connection: t.Any) -> None:
 commit_count.refuse_ends_with(_refuse_below)
 
 
-def _note_elsewhere(state: Attempt) -> None:
+def _note_elsewhere(attempt: Attempt) -> None:
     """A commit on another connection of the store's engine, in the attempt's context: what
     it wrote stays whatever the attempt does next (flask_idem's own primitives aside)."""
     if not commit_count.in_store_primitive():
-        state.committed = True
+        attempt.note_committed()
 
 
-def _refused(state: Attempt) -> bool:
+def _refused(attempt: Attempt) -> bool:
     """An atomic claim would be published half-way; a session's transaction is the session's
     to settle (as ``db.session.commit()``, refused by :mod:`flask_idem.sessions`)."""
-    return state.atomic or state.session is not None
+    return attempt.atomic or attempt.session is not None
 
 
 def _running_attempt() -> Attempt | None:
@@ -231,39 +233,39 @@ def _running_attempt() -> Attempt | None:
     return attempt
 
 
-def _business(state: Attempt, is_it: t.Callable[[sa.Connection], bool]) -> bool:
+def _business(attempt: Attempt, is_it: t.Callable[[sa.Connection], bool]) -> bool:
     """Whether ``is_it`` picks out one of the attempt's business connections."""
-    return any(is_it(c) for c in _connections(state))
+    return any(is_it(c) for c in _connections(attempt))
 
 
-def _connections(state: Attempt) -> list[sa.Connection]:
-    found = [] if state.connection is None else [state.connection]
-    if state.session is not None:
-        found += business_connections(state.session)
+def _connections(attempt: Attempt) -> list[sa.Connection]:
+    found = [] if attempt.connection is None else [attempt.connection]
+    if attempt.session is not None:
+        found += business_connections(attempt.session)
     return [c for c in found if not c.closed and not c.invalidated]
 
 
-def count_commits_from_now(state: Attempt) -> None:
+def count_commits_from_now(attempt: Attempt) -> None:
     """The attempt claimed: an end of its business transaction below SQLAlchemy counts from
     here (one opened later is counted from its start, see :func:`.commit_count.zero`), and so
     does a driver's commit on any connection of the store's engine in this context."""
-    state.tally = commit_count.tally_attempt()
-    for connection in _connections(state):
+    attempt.tally = commit_count.tally_attempt()
+    for connection in _connections(attempt):
         commit_count.zero(connection)
 
 
-def committed_elsewhere(state: Attempt) -> bool:
+def committed_elsewhere(attempt: Attempt) -> bool:
     """Whether the attempt's context committed below SQLAlchemy on some connection of the
     store's engine (``commit()`` of a driver connection, a raw cursor's ``COMMIT``)."""
-    return state.tally is not None and state.tally.commits > 0
+    return attempt.tally is not None and attempt.tally.commits > 0
 
 
-def ended_outside(state: Attempt) -> bool:
+def ended_outside(attempt: Attempt) -> bool:
     """Whether the attempt's business transaction was committed or rolled back below
     SQLAlchemy, behind the guard's back: its driver connection counted an end (its own
     ``commit()`` or ``rollback()``, a ``COMMIT`` through a raw cursor), or SQLAlchemy still
     holds open a transaction the driver ended."""
-    for connection in _connections(state):
+    for connection in _connections(attempt):
         if commit_count.ended(connection):
             return True
         if not connection.in_transaction():

@@ -54,13 +54,12 @@ import typing as t
 
 from flask import current_app, has_app_context, has_request_context
 
-from .attempt import OUTCOMES, Attempt, Failure, Found, classify
+from .attempt import OUTCOMES, Attempt, Failure, Found, classify, reason
 from .core import signals
 from .core.errors import (
     ConfigurationError,
     JobRefused,
     JobResultNotStored,
-    JobResultUnreadable,
     StoreUnavailable,
 )
 from .core.fingerprint import fingerprint as canonical_fingerprint
@@ -192,35 +191,16 @@ def _claim(attempt: Attempt, options: JobOptions, digest: bytes) -> Record | Non
         record = attempt.claim(digest, ttl=attempt.ttl, lease=lease)
         if record is None:
             return None
-        if record.damaged is not None:
-            log.error(
-                "stored job record damaged: %s",
-                record.damaged,
-                extra={"key_hash": key_hash(attempt.scope)},
-            )
-            raise JobResultUnreadable(
-                f"job {options.name}: its stored record is damaged ({record.damaged}); "
-                "redeliver once an operator has repaired or deleted it"
-            )
         found = classify(record, digest, options.recovery)
         if found is Found.COMPLETED:
-            if record.unreadable is not None:
-                # Never a garbage result, never a second run: wait for the key to return.
-                log.error(
-                    "stored job result unreadable: %s",
-                    record.unreadable,
-                    extra={"key_hash": key_hash(attempt.scope)},
-                )
-                raise JobResultUnreadable(
-                    f"job {options.name} ran, but its stored result cannot be decrypted "
-                    f"here ({record.unreadable}); redeliver once the key is configured"
-                )
             return record
         if found is Found.RERUN and attempt.take_over(record, lease):
             return None
         # A re-run another worker took over first is running there.
         refusal = attempt.emit_found(Found.RUNNING if found is Found.RERUN else found, record)
-        raise refusal.job(record.scope, retry_after=max(1.0, record.lease_remaining))
+        raise refusal.job(
+            record.scope, reason=reason(record), retry_after=max(1.0, record.lease_remaining)
+        )
     except StoreUnavailable:
         attempt.emit(signals.store_unavailable, stage="claim")
         raise
@@ -246,18 +226,18 @@ def _execute(
     try:
         value = function(*call.args, **call.kwargs)
     except JobRefused:
-        attempt.refuse()  # idem.refuse() ended the run: it did nothing
-        attempt.completing()
+        attempt.mark_refused()  # idem.refuse() ended the run: it did nothing
+        attempt.trace_completing()
         attempt.give_up("the job refused to run")
         raise
     except BaseException as exc:
         # Also SystemExit and KeyboardInterrupt: a worker told to stop mid-job.
-        attempt.crash()
-        attempt.failed(exc)
-        attempt.completing()
+        attempt.mark_crashed()
+        attempt.trace_failure(exc)
+        attempt.trace_completing()
         attempt.give_up("the job raised an exception")
         raise
-    attempt.completing()
+    attempt.trace_completing()
     attempt.stop_watching()
     attempt.note_replaced_session()
     if attempt.work_lost:
@@ -274,10 +254,9 @@ def _execute(
     snapshot = _snapshot(attempt.app_state, value)
     try:
         stored = attempt.complete(snapshot)
-    except StoreUnavailable:
-        if attempt.store_failed_after_run("job"):
+    except StoreUnavailable as exc:
+        if attempt.record_failed(exc, ran="job") is None:
             return value
-        attempt.give_up("the store failed before the commit")
         raise
     if not stored:
         raise attempt.emit_found(Failure.LEASE_LOST).job(attempt.scope)

@@ -34,7 +34,7 @@ import sqlalchemy as sa
 from flask import Flask
 
 from .core.errors import ConfigurationError, IdempotencyError
-from .state import SESSION_STATE
+from .state import SESSION_ATTEMPT
 from .store import commit_count, normalize_url
 
 if t.TYPE_CHECKING:
@@ -190,7 +190,7 @@ def _forget_rollback(session: t.Any, _previous: t.Any) -> None:
 def _claimed(session: t.Any) -> Attempt | None:
     """The attempt holding a key whose business transaction the session is, while its view or
     job may write it (not while flask_idem itself settles it)."""
-    attempt = t.cast("Attempt | None", session.info.get(SESSION_STATE))
+    attempt = t.cast("Attempt | None", session.info.get(SESSION_ATTEMPT))
     if attempt is None or not attempt.guarding:
         return None
     return attempt

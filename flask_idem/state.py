@@ -27,7 +27,7 @@ EXTENSION_NAME = "idempotency"
 #: ``flask.g`` attribute holding the context's :class:`~flask_idem.attempt.Attempt`.
 ATTEMPT_SLOT = "_flask_idem"
 #: ``session.info`` key of the attempt whose business transaction a session carries.
-SESSION_STATE = "flask_idem.request"
+SESSION_ATTEMPT = "flask_idem.attempt"
 
 
 class Trace(t.Protocol):

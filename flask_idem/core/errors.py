@@ -110,8 +110,8 @@ class JobResultUnreadable(JobError):
     """The message ran, but its stored result cannot be decrypted here (its encryption key is
     not configured): a redelivery succeeds once it is, and the job is never run again."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retry_after=30)
+    def __init__(self, message: str, *, retry_after: float = 30) -> None:
+        super().__init__(message, retry_after=retry_after)
 
 
 #: Every exception after which a job's message must go back to the queue, for a queue's retry

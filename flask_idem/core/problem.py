@@ -8,7 +8,6 @@ configured base URI plus the problem's name, e.g. ``.../problems/idempotency-key
 from __future__ import annotations
 
 import json
-import logging
 import typing as t
 
 from flask import current_app, has_app_context, has_request_context, request
@@ -16,12 +15,8 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response
 
 from .config import DEFAULTS
-from .idempotency_keys import key_hash
-from .record import Record
 
 MEDIA_TYPE = "application/problem+json"
-
-log = logging.getLogger("flask_idem")
 
 
 class Problem(HTTPException):
@@ -179,24 +174,6 @@ class StoredResponseUnreadable(Problem):
 
     def __init__(self, detail: str, *, retry_after: int = 30) -> None:
         super().__init__(detail, headers=_retry_after(retry_after))
-
-
-def unreadable_problem(record: Record) -> StoredResponseUnreadable:
-    """Log a completed record whose snapshot cannot be read, and the problem that answers it.
-
-    The request is neither replayed (it would be garbage) nor executed again (the operation
-    happened): the key stays taken, and a retry gets the same answer until an operator puts
-    the missing key back.
-    """
-    log.error(
-        "stored response unreadable: %s",
-        record.unreadable,
-        extra={"key_hash": key_hash(record.scope)},
-    )
-    return StoredResponseUnreadable(
-        "The original request completed, but its stored response cannot be read on this "
-        "server; it was not executed again. Retry later with the same key."
-    )
 
 
 class TenantUnresolved(Problem):

@@ -173,7 +173,7 @@ class Idempotency:
         # a hook that commits the session, compresses or signs the body sees it settled.
         app.after_request(guard.finish)
         app.teardown_request(flow.teardown)
-        got_request_exception.connect(_mark_crashed, app, weak=False)
+        got_request_exception.connect(_on_request_exception, app, weak=False)
         # Unhandled exceptions in protected views answer problem+json; an application's own
         # 500 handler, registered before this call, wins.
         if not app.error_handler_spec[None].get(500):
@@ -415,7 +415,7 @@ class Idempotency:
         attempt = Attempt.current()
         if attempt is not None:
             _refuse_in_atomic(attempt, "side_effect()")
-            attempt.contacted = True
+            attempt.contact()
 
     def refuse(self, rv: ResponseReturnValue) -> t.NoReturn:
         """Answer ``rv`` as a refusal, now: the view did nothing, so the key is given back.
@@ -477,7 +477,7 @@ class Idempotency:
                 "downstream_key() needs a request or a job that holds an idempotency key"
             )
         _refuse_in_atomic(attempt, "downstream_key()")
-        attempt.contacted = True
+        attempt.contact()
         return derive_key(attempt.record, step)
 
 
@@ -506,12 +506,12 @@ def _refuse_in_atomic(attempt: Attempt, call: str) -> None:
         )
 
 
-def _mark_crashed(sender: Flask, exception: BaseException, **_: t.Any) -> None:
+def _on_request_exception(sender: Flask, exception: BaseException, **_: t.Any) -> None:
     # Any unhandled exception in a claimed request (an after_request hook of another
     # extension, ...) also counts as a crash: never store the 500 it becomes.
     attempt = Attempt.current()
     if attempt is not None:
-        attempt.crash()
+        attempt.mark_crashed()
 
 
 def _ensure_partitions(store: Store, ahead: int) -> None:

@@ -89,7 +89,7 @@ from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
 
-from ..attempt import OUTCOMES, Attempt, CommitUncertain, Failure, Found, Phase, classify
+from ..attempt import OUTCOMES, Attempt, Failure, Found, Phase, classify
 from ..core import signals
 from ..core.body import read_body
 from ..core.config import Settings
@@ -104,7 +104,6 @@ from ..core.problem import (
     Problem,
     StoreUnavailableProblem,
     TenantUnresolved,
-    unreadable_problem,
 )
 from ..core.record import STORABLE_STATUSES, Record, Scope, StoredResponse
 from ..core.snapshot import response_snapshot
@@ -251,13 +250,9 @@ def answer_existing(
 ) -> Response | None:
     """What a claim that found a record leads to: a problem (raised), a replay, or None: the
     attempt took the record over (it holds the key), or claims again after a short wait."""
-    if record.damaged is not None:
-        raise unreadable_problem(record)  # neither replayed, compared nor taken over
     assert attempt.fingerprint is not None
     found = classify(record, attempt.fingerprint, options.recovery)
     if found is Found.COMPLETED:
-        if record.unreadable is not None:
-            raise unreadable_problem(record)  # never a replay of garbage, never a re-run
         assert record.response is not None
         attempt.emit(signals.replayed, status=record.response.status)
         settings = attempt.app_state.settings
@@ -392,33 +387,33 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
         if attempt is not None:
             attempt.flush()  # db.session's ORM writes: a failure here is the view's
             attempt.went_on()
-            attempt.answered()
+            attempt.mark_answered()
         return answer
     except Refusal:
-        _ended(Attempt.refuse)
+        _ended(Attempt.mark_refused)
         raise
     except HTTPException:
-        _ended(Attempt.answered)
+        _ended(Attempt.mark_answered)
         raise  # abort(404), raise Problem(...): an answer like a returned one
     except StoreUnavailable as exc:
         # idem.connection() failed in the view: a crash answered 503 here, not by whatever
         # error handler the application (or a blueprint) registered for Exception.
-        _ended(Attempt.crash, exc)
+        _ended(Attempt.mark_crashed, exc)
         return store_unavailable(exc)
     except BaseException as exc:
         # A crash, also when an application error handler turns it into a response.
-        _ended(Attempt.crash, exc)
+        _ended(Attempt.mark_crashed, exc)
         raise
 
 
 def _ended(how: t.Callable[[Attempt], None], error: BaseException | None = None) -> None:
     attempt = Attempt.current()
     if attempt is not None:
-        if how is not Attempt.refuse:
+        if how is not Attempt.mark_refused:
             attempt.went_on()
         how(attempt)
         if error is not None:
-            attempt.failed(error)
+            attempt.trace_failure(error)
 
 
 class Refusal(HTTPException):
@@ -443,7 +438,7 @@ def finish(attempt: Attempt, response: Response) -> Response:
         return response
     if not attempt.holding:
         return _settle_unclaimed(attempt, response)
-    attempt.completing()
+    attempt.trace_completing()
     attempt.stop_watching()
     attempt.note_replaced_session()
     if attempt.work_lost:
@@ -501,7 +496,12 @@ def _complete(attempt: Attempt, response: Response) -> Response:
     try:
         stored = attempt.complete(snapshot)
     except StoreUnavailable as exc:
-        return _store_failed(attempt, response, committing=isinstance(exc, CommitUncertain))
+        failure = attempt.record_failed(exc, ran="view")
+        if failure is None:
+            return unreplayed(response)  # the client still learns what happened; retries 409
+        answer = problem_response(attempt.app_state, attempt, OUTCOMES[failure].http())
+        # After a failed commit the view's answer may be stored after all: no promise.
+        return answer if failure is Failure.COMMIT_UNCERTAIN else unreplayed(answer)
     if not stored:
         # The lease expired and a retry took the record over: this request's writes in the
         # business transaction are rolled back and the operation belongs to the new owner.
@@ -520,39 +520,6 @@ def _complete(attempt: Attempt, response: Response) -> Response:
     return response
 
 
-def _store_failed(attempt: Attempt, response: Response, *, committing: bool) -> Response:
-    """The view answered but its result could not be recorded: tell the truth."""
-    if attempt.store_failed_after_run("view"):
-        return unreplayed(response)  # the client still learns what happened; retries 409
-    released = attempt.releasable
-    reason = (
-        "the store failed while committing: the result may or may not be recorded"
-        if committing
-        else "the store failed before the commit"
-    )
-    attempt.give_up(reason)
-    if committing:
-        # The commit itself failed: it may have gone through before the answer was lost.
-        detail = (
-            "The database failed while committing the result, which may or may not have been "
-            "recorded. Retry with the same key: the retry replays it or finishes the operation, "
-            "never runs it twice."
-        )
-    elif released:
-        detail = (
-            "The idempotency store failed before the result was committed; nothing was "
-            "changed. Retry with the same key."
-        )
-    else:
-        detail = (
-            "The idempotency store failed before the result was recorded. The operation may "
-            "have taken effect outside this service; retry with the same key, never a new one."
-        )
-    answer = problem_response(attempt.app_state, attempt, StoreUnavailableProblem(detail))
-    # After a failed commit the view's answer may be stored after all: no promise either way.
-    return answer if committing else unreplayed(answer)
-
-
 # -- teardown: a request that never answered -------------------------------------------------
 
 
@@ -564,7 +531,7 @@ def teardown(exc: BaseException | None) -> None:
         return
     try:
         if attempt.holding:
-            attempt.completing()
+            attempt.trace_completing()
             attempt.give_up("the request ended without an answer")
     finally:
         attempt.close()

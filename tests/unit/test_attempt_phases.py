@@ -3,6 +3,7 @@ its view or job ends. No database: the phase alone decides what happens next."""
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import typing as t
 
@@ -18,10 +19,11 @@ from flask_idem.attempt import (
     IllegalTransition,
     Phase,
     advance,
+    classify,
 )
 from flask_idem.core.errors import JobError
-from flask_idem.core.problem import Problem, RequestInProgress
-from flask_idem.core.record import Scope
+from flask_idem.core.problem import Problem, RequestInProgress, StoreUnavailableProblem
+from flask_idem.core.record import Record, Scope, State, StoredResponse
 from flask_idem.state import AppState
 
 SCOPE = Scope("alpha", "POST /payments", "k-1")
@@ -92,9 +94,9 @@ def test_an_attempt_refuses_an_illegal_move_and_keeps_its_phase() -> None:
 @pytest.mark.parametrize(
     ("end", "phase"),
     [
-        (Attempt.answered, Phase.ANSWERED),
-        (Attempt.refuse, Phase.REFUSED),
-        (Attempt.crash, Phase.CRASHED),
+        (Attempt.mark_answered, Phase.ANSWERED),
+        (Attempt.mark_refused, Phase.REFUSED),
+        (Attempt.mark_crashed, Phase.CRASHED),
     ],
 )
 def test_the_end_of_a_claimed_view_is_its_phase(
@@ -112,27 +114,27 @@ def test_a_crash_is_never_undone_by_an_answer_seen_later() -> None:
     """An outer guard sees the answer the inner guard rendered from the crash (a 503): the
     attempt stays crashed."""
     attempt = _running()
-    attempt.crash()
-    attempt.answered()
-    attempt.refuse()
+    attempt.mark_crashed()
+    attempt.mark_answered()
+    attempt.mark_refused()
     assert attempt.phase is Phase.CRASHED
 
 
 def test_an_exception_after_a_refusal_crashes_and_remembers_the_refusal() -> None:
     attempt = _running()
-    attempt.refuse()
-    attempt.crash()  # an after_request hook raised
+    attempt.mark_refused()
+    attempt.mark_crashed()  # an after_request hook raised
     assert attempt.phase is Phase.CRASHED and attempt.refused
 
 
 def test_an_exception_after_an_answer_is_a_crash() -> None:
     attempt = _running()
-    attempt.answered()
-    attempt.crash()
+    attempt.mark_answered()
+    attempt.mark_crashed()
     assert attempt.phase is Phase.CRASHED and not attempt.refused
 
 
-@pytest.mark.parametrize("end", [Attempt.refuse, Attempt.crash])
+@pytest.mark.parametrize("end", [Attempt.mark_refused, Attempt.mark_crashed])
 @pytest.mark.parametrize("scope", [SCOPE, None], ids=["claiming", "unclaimed"])
 def test_a_failure_without_the_key_rolls_back(
     end: t.Callable[[Attempt], None], scope: Scope | None
@@ -146,7 +148,7 @@ def test_a_failure_without_the_key_rolls_back(
 def test_an_answer_without_the_key_changes_nothing(scope: Scope | None) -> None:
     attempt = _attempt(scope)
     before = attempt.phase
-    attempt.answered()
+    attempt.mark_answered()
     assert attempt.phase is before
 
 
@@ -167,9 +169,17 @@ def test_every_outcome_has_an_http_and_a_job_answer(row: Found | Failure) -> Non
     outcome = OUTCOMES[row]
     problem = outcome.http()
     assert isinstance(problem, Problem) and problem.description == outcome.detail
-    error = outcome.job(SCOPE, retry_after=7.0)
-    assert isinstance(error, JobError) and error.retry_after == 7.0
+    if outcome.job_error is None:
+        # The store failed: a job raises the store's own error again, whatever its row says.
+        assert isinstance(problem, StoreUnavailableProblem)
+        return
+    error = outcome.job(SCOPE, reason="a bad column", retry_after=7.0)
+    assert isinstance(error, JobError)
+    assert error.retry_after == (outcome.job_retry_after or 7.0)
     assert str(error).startswith("POST /payments message ") and SCOPE.key not in str(error)
+    assert "{reason}" not in str(error)
+    if outcome.log is not None:
+        assert "a bad column" in str(error), "the job names what is wrong with the record"
 
 
 def test_the_outcome_table_covers_every_found_record_neither_replayed_nor_taken_over() -> None:
@@ -183,7 +193,29 @@ def test_the_outcome_table_covers_every_found_record_neither_replayed_nor_taken_
 
 def test_a_refusal_code_around_the_guard_went_on_from_no_longer_stands() -> None:
     attempt = _running()
-    attempt.refuse()
+    attempt.mark_refused()
     attempt.went_on()  # a decorator above the guard caught it
-    attempt.crash()
+    attempt.mark_crashed()
     assert attempt.phase is Phase.CRASHED and not attempt.refused
+
+
+def _record(state: State, fingerprint: bytes = b"fp", **problems: str) -> Record:
+    moment = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    response = StoredResponse(201, (), b"{}") if state is State.COMPLETED else None
+    return Record(
+        SCOPE, fingerprint, state, None, None, response, moment, None, moment, moment, **problems
+    )
+
+
+def test_a_damaged_record_is_neither_compared_nor_replayed() -> None:
+    # Its fingerprint may be the damaged part: another request must not read it as a reuse.
+    damaged = _record(State.COMPLETED, b"other", damaged="created_at holds no timestamp")
+    assert classify(damaged, b"fp", "reexecute") is Found.DAMAGED
+
+
+def test_a_completed_record_that_cannot_be_decrypted_is_never_replayed() -> None:
+    unreadable = _record(State.COMPLETED, unreadable="its key is not configured")
+    assert classify(unreadable, b"fp", "fail") is Found.UNREADABLE
+    # Another request with the key is still a reuse, told as such.
+    assert classify(unreadable, b"other", "fail") is Found.MISMATCH
+    assert classify(_record(State.COMPLETED), b"fp", "fail") is Found.COMPLETED
