@@ -16,13 +16,7 @@ per endpoint it was used on: state, first seen, completed at, stored status, whe
 replay, and when the key expires. Stored bodies and headers only with
 ``IDEMPOTENCY_INSPECT_BODIES``.
 
-The policy, ``GET <prefix>/policy``, is public: what a client needs before its first request
-(the header, the methods that claim, whether a key is required, how long a key is kept, the
-limit on new keys), the application's defaults, the same for every caller. A view's own
-``ttl=`` is announced on its answers (``Idempotency-Retention``); an application with such
-views documents them too (the draft asks a server to publish its expiry policy).
-
-Who may ask
+Who may ask for records
     The tenant comes from the extension's tenant resolver, after the application's own
     authentication hooks. No tenant means an anonymous caller: 401 ``authentication-required``
     (not the 500 ``tenant-unresolved`` of protected writes: an anonymous read is a client
@@ -30,6 +24,13 @@ Who may ask
 Isolation
     Records are looked up under the caller's tenant only, so another tenant's key answers the
     very same 404 as a key nobody used: the body cannot tell them apart.
+
+The policy, ``GET <prefix>/policy``, is public (no tenant asked, no record read): what a client
+needs before its first request (the header, the methods that claim, whether a key is required,
+how long a key is kept, the limit on new keys), the application's defaults, the same for every
+caller. A view's own ``ttl=`` is announced on its answers (``Idempotency-Retention``); an
+application with such views documents them too (the draft asks a server to publish its expiry
+policy).
 """
 
 from __future__ import annotations

@@ -121,6 +121,8 @@ def test_an_answer_no_retry_gets_back_says_so(
     else:
         assert_problem(second, 409, retry)
         assert counter.calls == 1
+        if retry == "outcome-pending":
+            assert second.headers["Retry-After"] == "300", "the reconcile cron's period"
 
 
 def test_answers_before_any_claim_make_no_promise(views: tuple[flask.Flask, Counter]) -> None:
