@@ -200,7 +200,9 @@ def _refuse_over_limit(attempt: Attempt, limit: KeyLimit) -> None:
     except StoreUnavailable as exc:
         raise _claim_failed(attempt, exc) from None
     if not known:
-        raise limit.refusal()
+        refusal = limit.refusal()
+        attempt.emit(signals.rate_limited)
+        raise refusal
 
 
 def _claim_atomic(

@@ -14,9 +14,11 @@ import flask
 import pytest
 from flask_limiter import Limiter
 from flask_limiter.util import get_remote_address
+from prometheus_client import CollectorRegistry
 
-from flask_idem import ConfigurationError, Idempotency, Scope, State
+from flask_idem import ConfigurationError, Idempotency, Scope, State, signals
 from flask_idem.core.fingerprint import fingerprint
+from flask_idem.ops.metrics import Metrics
 from flask_idem.store import SQLStore
 from tests.support.answers import PAYMENT, assert_problem, post
 from tests.support.helpers import Counter
@@ -218,3 +220,43 @@ def test_unknown_records_of_a_tenant_over_the_limit_still_answer_outcome_pending
     store.mark_unknown(_scope("lost"), _hold(store, "lost"))
     assert t.cast(t.Any, store.get(_scope("lost"))).state is State.UNKNOWN
     assert_problem(post(client, "lost"), 409, "outcome-pending")
+
+
+def test_a_refusal_is_one_rate_limited_event_and_metric_without_the_key(
+    store: SQLStore,
+) -> None:
+    registry = CollectorRegistry()
+    app = flask.Flask("limit-metrics")
+    app.config.update(IDEMPOTENCY_KEY_RATE_LIMIT="1/minute", PROPAGATE_EXCEPTIONS=False)
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha", metrics=Metrics(registry))
+
+    @app.post("/payments")
+    @idem.idempotent
+    def pay() -> t.Any:
+        return {"ok": True}, 201
+
+    seen: list[dict[str, t.Any]] = []
+
+    def receive(sender: flask.Flask, **event: t.Any) -> None:
+        seen.append(event)
+
+    signals.rate_limited.connect(receive)
+    try:
+        client = app.test_client()
+        assert post(client, "first-key").status_code == 201
+        _refused(post(client, "second-secret-key"))
+        assert post(client, "first-key").headers["Idempotent-Replayed"] == "true"
+    finally:
+        signals.rate_limited.disconnect(receive)
+    assert len(seen) == 1
+    assert (seen[0]["event"], seen[0]["status"], seen[0]["tenant"]) == (
+        "rate_limited",
+        429,
+        "alpha",
+    )
+    assert "second-secret-key" not in repr(seen), "never the raw key"
+    counted = registry.get_sample_value(
+        "idempotency_requests_total",
+        {"endpoint": "POST /payments", "outcome": "rate_limited", "status": "429"},
+    )
+    assert counted == 1
