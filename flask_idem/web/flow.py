@@ -114,6 +114,8 @@ from ..store.sql import translate_errors
 from .key_limit import KeyLimit
 
 _WAIT_STEP = 0.05
+#: On every replay: ``true``.
+REPLAYED_HEADER = "Idempotent-Replayed"
 #: On an answer of a request that held the key: ``false`` when no retry will get it back.
 STORED_HEADER = "Idempotent-Stored"
 #: On a stored first answer and on replays: whole seconds the key still replays the answer.
@@ -273,7 +275,7 @@ def replay(
     stored: StoredResponse,
     options: ViewOptions,
     headers: frozenset[str],
-    kept_for: float | None = None,
+    kept_for: float,
 ) -> Response:
     """The answer to a retry: the stored response byte for byte, or the view's ``replay=``.
 
@@ -295,9 +297,8 @@ def replay(
         del response.headers["Content-Type"]
         for name, value in stored.headers:
             response.headers.add(name, value)
-    response.headers["Idempotent-Replayed"] = "true"
-    if kept_for is not None:
-        response.headers[RETENTION_HEADER] = _seconds(kept_for)
+    response.headers[REPLAYED_HEADER] = "true"
+    response.headers[RETENTION_HEADER] = _seconds(kept_for)
     return response
 
 
