@@ -138,6 +138,32 @@ def test_a_views_own_limit_is_counted_for_it_alone(app_factory: Factory) -> None
     assert counter.calls == 1 + 3 + 5
 
 
+def test_a_protected_blueprints_limit_counts_each_of_its_views(app_factory: Factory) -> None:
+    """No application-wide limit: only the blueprint's views are limited, each for itself."""
+    app, idem, counter = app_factory()
+    blueprint = flask.Blueprint("refunds", __name__)
+
+    @blueprint.post("/refunds")
+    def refund() -> t.Any:
+        counter.bump()
+        return {"refunded": True}, 201
+
+    @blueprint.post("/disputes")
+    def dispute() -> t.Any:
+        counter.bump()
+        return {"disputed": True}, 201
+
+    idem.protect_blueprint(blueprint, key_rate_limit="1/minute")
+    app.register_blueprint(blueprint)
+    client = app.test_client()
+    for path in ("/refunds", "/disputes"):
+        assert post(client, f"{path}-1", path=path).status_code == 201
+        _refused(post(client, f"{path}-2", path=path))
+    for n in range(3):
+        assert post(client, f"p-{n}").status_code == 201, "the app's views are not limited"
+    assert counter.calls == 2 + 3
+
+
 def test_atomic_views_count_their_new_keys(app_factory: Factory, store: SQLStore) -> None:
     app, idem, counter = app_factory(IDEMPOTENCY_KEY_RATE_LIMIT="1/minute")
 
