@@ -670,6 +670,11 @@ class Attempt:
         return self.refused or self.options.release_before_contact
 
     @property
+    def ttl(self) -> float:
+        """Seconds the key lives: the view's or job's ``ttl=``, else ``IDEMPOTENCY_TTL``."""
+        return getattr(self.options, "ttl", None) or self.app_state.settings.ttl
+
+    @property
     def atomic(self) -> bool:
         """The claim lives in the business transaction (``@idem.idempotent(atomic=True)``)."""
         return bool(getattr(self.options, "atomic", False))
@@ -873,9 +878,8 @@ class Attempt:
         purpose."""
         assert self.scope is not None and self.fingerprint is not None
         settings = self.app_state.settings
-        ttl = getattr(self.options, "ttl", None) or settings.ttl
         store = self.app_state.store
-        result = store.claim(self.scope, self.fingerprint, ttl=ttl, lease=settings.lease)
+        result = store.claim(self.scope, self.fingerprint, ttl=self.ttl, lease=settings.lease)
         token = result.token if result.claimed else self.token
         assert token is not None
         return store.mark_unknown(self.scope, token, created_at=result.record.created_at)

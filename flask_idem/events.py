@@ -10,8 +10,8 @@ structlog's stdlib bridge) picks them up as fields; none of them is ever the raw
 
 ==============  ===============================================================================
 ``event``       the transition: ``claimed``, ``taken_over``, ``completed``, ``replayed``,
-                ``conflict``, ``pending``, ``not_stored``, ``mismatch``, ``released``,
-                ``unknown``, ``lease_lost``, ``store_unavailable``, ``settled``
+                ``conflict``, ``pending``, ``not_stored``, ``mismatch``, ``rate_limited``,
+                ``released``, ``unknown``, ``lease_lost``, ``store_unavailable``, ``settled``
 ``tenant``      the scope's tenant
 ``endpoint``    the scope's endpoint (``POST /v1/payments``, ``JOB renew-subscription``)
 ``key_hash``    16 hex digits of SHA-256 over (tenant, endpoint, key), as in ``flask idem``
@@ -74,6 +74,7 @@ _STATUSES: dict[NamedSignal, int] = {
     signals.pending: 409,
     signals.not_stored: 409,
     signals.mismatch: 422,
+    signals.rate_limited: 429,
     signals.lease_lost: 409,
     signals.store_unavailable: 503,
 }

@@ -188,7 +188,7 @@ def _claim(attempt: Attempt, options: JobOptions, digest: bytes) -> Record | Non
     settings = attempt.app_state.settings
     lease = options.lease or settings.lease
     try:
-        record = attempt.claim(digest, ttl=options.ttl or settings.ttl, lease=lease)
+        record = attempt.claim(digest, ttl=attempt.ttl, lease=lease)
         if record is None:
             return None
         found = classify(record, digest, options.recovery)

@@ -21,6 +21,7 @@ from .store import RequestStore
 if t.TYPE_CHECKING:
     from .attempt import Attempt
     from .web.extension import Idempotency
+    from .web.key_limit import KeyLimiter
 
 EXTENSION_NAME = "idempotency"
 #: ``flask.g`` attribute holding the context's :class:`~flask_idem.attempt.Attempt`.
@@ -59,6 +60,8 @@ class AppState:
     settings: Settings
     store: RequestStore
     keeper: LeaseKeeper
+    #: The counters of ``IDEMPOTENCY_KEY_RATE_LIMIT`` and ``key_rate_limit=``.
+    key_limiter: KeyLimiter
     #: The application's Flask-SQLAlchemy session (``Idempotency(db=...)``): the business
     #: transaction of every protected request, None for the store's own connections.
     sessions: SessionSource | None = None

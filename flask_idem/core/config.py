@@ -171,6 +171,30 @@ def _encryption_keys(name: str, raw: t.Any) -> tuple[EncryptionKey, ...]:
     return parse_keys(raw, name)  # never echoes key material in its errors
 
 
+def rate_limit(name: str, raw: t.Any) -> str | None:
+    """A rate limit in the ``limits`` notation (``"100/minute"``, ``"10/second;500/hour"``);
+    None, "" or False switch it off. Counting needs the ``limits`` package (Flask-Limiter
+    brings it), so its absence fails here, when the limit is configured."""
+    if raw is None or raw is False or raw == "":
+        return None
+    if not isinstance(raw, str):
+        raise ConfigurationError(f"{name} must be a rate limit such as '100/minute', got {raw!r}")
+    try:
+        import limits
+    except ImportError:
+        raise ConfigurationError(
+            f"{name} needs the limits package: pip install 'flask-idem[ratelimit]' (or "
+            "Flask-Limiter, which brings it)"
+        ) from None
+    try:
+        limits.parse_many(raw)
+    except ValueError:
+        raise ConfigurationError(
+            f"{name} must be a rate limit such as '100/minute' or '10/second;500/hour', got {raw!r}"
+        ) from None
+    return raw
+
+
 def _unchecked(name: str, raw: t.Any) -> t.Any:
     """Taken as it is, checked with the keys it depends on (:meth:`Settings.__post_init__`)."""
     return raw
@@ -223,6 +247,9 @@ class Settings:
     )
     never_store: frozenset[int] = setting((401, 403, 408, 425, 429, 502, 503, 504), _status_codes)
     problem_base: str = setting("tag:flask-idem.readthedocs.io,2026:problems/", _absolute_uri)
+    #: New keys (claims that create a record) each tenant may make, e.g. ``"100/minute"``;
+    #: None: no limit. Replays, 409s and 422s are never counted.
+    key_rate_limit: str | None = setting(None, rate_limit)
     #: A waiting duplicate holds a worker: stay below server timeouts.
     wait: float = setting(0, Number(0, 60))
     partitions_ahead: int = setting(7, Number(0, 366, integer=True))

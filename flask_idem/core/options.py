@@ -19,7 +19,7 @@ import warnings
 
 from flask.typing import ResponseReturnValue
 
-from .config import MAXIMA
+from .config import MAXIMA, rate_limit
 from .errors import ConfigurationError
 from .record import StoredResponse
 
@@ -81,6 +81,10 @@ class BlueprintOptionArgs(OutcomeArgs, total=False):
     #: ``(stored response) -> response`` building the answer to a retry, for responses that
     #: must not be replayed verbatim (short-lived signed URLs, one-time tokens).
     replay: ReplayFunction | None
+    #: New keys each tenant may make on this view (``"10/minute"``), counted for the view
+    #: alone, instead of ``IDEMPOTENCY_KEY_RATE_LIMIT``; False: no limit here. Over it, a new
+    #: key is refused with 429 ``idempotency-key-rate-limited`` before any claim.
+    key_rate_limit: str | t.Literal[False] | None
 
 
 class ViewOptionArgs(BlueprintOptionArgs, total=False):
@@ -150,6 +154,8 @@ class ViewOptions(OutcomeOptions):
     fingerprint: FingerprintFunction | None = None
     atomic: bool = False
     replay: ReplayFunction | None = None
+    #: The view's own limit on new keys; None: ``IDEMPOTENCY_KEY_RATE_LIMIT``; False: none.
+    key_rate_limit: str | t.Literal[False] | None = None
     #: Takes the key from the request instead of the header (see ``key=``).
     key: KeyFunction | None = None
 
@@ -164,6 +170,8 @@ class ViewOptions(OutcomeOptions):
             raise ConfigurationError("give either fingerprint= or exclude=/include=, not both")
         if self.replay is not None and not callable(self.replay):
             raise ConfigurationError("replay must be a callable taking the stored response")
+        if self.key_rate_limit is not False:
+            rate_limit("key_rate_limit", self.key_rate_limit)  # refused here, not per request
         if self.key is not None and (not callable(self.key) or self.required is False):
             raise ConfigurationError(
                 "key must be a callable taking the request, and a key taken from the request "

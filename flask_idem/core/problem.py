@@ -133,6 +133,19 @@ class OutcomePending(Problem):
         super().__init__(detail, headers=_retry_after(retry_after))
 
 
+class KeyRateLimited(Problem):
+    """The tenant made more new keys than ``IDEMPOTENCY_KEY_RATE_LIMIT`` (or the view's
+    ``key_rate_limit=``) allows: nothing ran and nothing was recorded, so a retry with the same
+    key after ``Retry-After`` is a first request."""
+
+    problem = "idempotency-key-rate-limited"
+    code = 429
+    title = "Too many new idempotency keys"
+
+    def __init__(self, detail: str, *, retry_after: int) -> None:
+        super().__init__(detail, headers=_retry_after(retry_after))
+
+
 class ResponseNotStored(Problem):
     problem = "response-not-stored"
     code = 409

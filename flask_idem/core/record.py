@@ -108,6 +108,15 @@ class Record:
             return 0.0
         return max(0.0, (self.lease_expires_at - self.now).total_seconds())
 
+    @property
+    def kept_for(self) -> float:
+        """Seconds the record is still live at :attr:`now` (0 when it is not): its TTL from
+        its claim, and its TTL again from the end of its request (its completion, or the
+        moment its lease ran out or its outcome was decided), as the store counts it."""
+        ended = self.completed_at or self.lease_expires_at or self.created_at
+        kept_until = max(self.expires_at, ended + (self.expires_at - self.created_at))
+        return max(0.0, (kept_until - self.now).total_seconds())
+
 
 class Reservation(t.Protocol):
     """A record an atomic claim holds without having written it."""

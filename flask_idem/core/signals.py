@@ -34,6 +34,9 @@ pending = _signals.signal("idempotency-pending")
 not_stored = _signals.signal("idempotency-not-stored")
 #: A key came back with a different request (422 ``idempotency-key-reused``).
 mismatch = _signals.signal("idempotency-mismatch")
+#: A new key was refused over its tenant's limit (429 ``idempotency-key-rate-limited``);
+#: nothing was claimed.
+rate_limited = _signals.signal("idempotency-rate-limited")
 #: A key was given back so that a retry executes afresh (``reason``).
 released = _signals.signal("idempotency-released")
 #: A request ended with a possible side effect and no stored outcome (``reason``).

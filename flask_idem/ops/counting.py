@@ -39,6 +39,7 @@ OUTCOMES: dict[NamedSignal, str] = {
     signals.pending: "outcome_pending",
     signals.not_stored: "not_stored",
     signals.mismatch: "mismatch",
+    signals.rate_limited: "rate_limited",
     signals.released: "released",
     signals.unknown: "unknown",
     signals.lease_lost: "lease_lost",
@@ -54,6 +55,7 @@ AT_CLAIM = frozenset(
         signals.pending,
         signals.not_stored,
         signals.mismatch,
+        signals.rate_limited,
     }
 )
 #: ... and those that end a view or job that held the key.

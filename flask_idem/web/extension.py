@@ -50,6 +50,7 @@ from ..sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
 from ..state import EXTENSION_NAME, AppState
 from ..store import RequestStore, Store, create_store, operator_store
 from . import flow, guard
+from .key_limit import KeyLimiter
 
 if t.TYPE_CHECKING:
     from ..ops.downstream import Lookup, LookupTarget
@@ -156,6 +157,7 @@ class Idempotency:
             settings,
             store,
             LeaseKeeper(store),
+            KeyLimiter(),
             sessions=sessions,
             plain_ensure_sync=type(app).ensure_sync is Flask.ensure_sync
             and "ensure_sync" not in vars(app),

@@ -56,6 +56,12 @@ its business transaction rolled back by the    given up as after an       as rel
 view or a later hook, then a success answer    exception (500)            ``unknown``
 =============================================  =========================  ======================
 
+Every answer of a claimed request that no retry gets back (released, ``unknown``, ``unstored``,
+the taker's) says so with ``Idempotent-Stored: false`` (:func:`unreplayed`), except the 503 of a
+commit that may have gone through; a stored answer and its replays carry
+``Idempotency-Retention``, the whole seconds the key still replays it. A new key over the
+tenant's limit (:mod:`.key_limit`) is refused 429 before the claim.
+
 An ``unknown`` record (or one in progress past its lease) is re-run by a retry only on a
 ``recovery="reexecute"`` view, as a fenced takeover of the same record: one winner, and the
 same downstream keys, so a deduplicating provider sees one operation. On ``recovery="fail"``
@@ -76,6 +82,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 import typing as t
 
@@ -106,8 +113,15 @@ from ..sessions import has_unmanaged_writes
 from ..state import AppState
 from ..store.messages import redacted
 from ..store.sql import translate_errors
+from .key_limit import KeyLimit
 
 _WAIT_STEP = 0.05
+#: On every replay: ``true``.
+REPLAYED_HEADER = "Idempotent-Replayed"
+#: On an answer of a request that held the key: ``false`` when no retry will get it back.
+STORED_HEADER = "Idempotent-Stored"
+#: On a stored first answer and on replays: whole seconds the key still replays the answer.
+RETENTION_HEADER = "Idempotency-Retention"
 
 log = logging.getLogger("flask_idem")
 
@@ -157,14 +171,19 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     if body is None:
         body = read_body(req, settings.max_request_body)
     digest = _fingerprint(req, options, body)
-    ttl = options.ttl or settings.ttl
+    limit = app_state.key_limiter.applying(settings, options, scope)
+    if limit is not None:
+        _refuse_over_limit(attempt, limit)
+    ttl = attempt.ttl
     deadline = time.monotonic() + settings.wait
     if options.atomic:
-        return _claim_atomic(attempt, options, digest, ttl, deadline)
+        return _claim_atomic(attempt, options, digest, ttl, deadline, limit)
     while True:
         try:
             record = attempt.claim(digest, ttl=ttl, lease=settings.lease)
             if record is None:
+                if limit is not None:
+                    limit.count()  # a new record: the only claim the limit counts
                 return None  # the key is ours
             answer = answer_existing(attempt, record, options, deadline)
         except StoreUnavailable as exc:
@@ -173,8 +192,30 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
             return answer
 
 
+def _refuse_over_limit(attempt: Attempt, limit: KeyLimit) -> None:
+    """Refuse a new key over the tenant's limit (429) before any claim; a key the store
+    already holds goes on to the claim, which answers from its record (a replay, 409 or 422
+    is never refused by the limit). See :mod:`.key_limit` for the order."""
+    if limit.allows():
+        return
+    assert attempt.scope is not None
+    try:
+        known = attempt.app_state.store.get(attempt.scope) is not None
+    except StoreUnavailable as exc:
+        raise _claim_failed(attempt, exc) from None
+    if not known:
+        refusal = limit.refusal()
+        attempt.emit(signals.rate_limited)
+        raise refusal
+
+
 def _claim_atomic(
-    attempt: Attempt, options: ViewOptions, digest: bytes, ttl: float, deadline: float
+    attempt: Attempt,
+    options: ViewOptions,
+    digest: bytes,
+    ttl: float,
+    deadline: float,
+    limit: KeyLimit | None,
 ) -> Response | None:
     """The claim of an atomic view, inside the business transaction it opens.
 
@@ -186,6 +227,8 @@ def _claim_atomic(
         try:
             result = attempt.claim_atomic(digest, ttl=ttl)
             if attempt.holding:
+                if limit is not None:
+                    limit.count()
                 return None
             attempt.rollback_quietly()
             if result is not None:
@@ -218,7 +261,8 @@ def answer_existing(
     if found is Found.COMPLETED:
         assert record.response is not None
         attempt.emit(signals.replayed, status=record.response.status)
-        return replay(record.response, options, attempt.app_state.settings.stored_headers)
+        settings = attempt.app_state.settings
+        return replay(record.response, options, settings.stored_headers, record.kept_for)
     if found is Found.RERUN:
         # One winner: a loser claims again and finds the winner's record in progress.
         attempt.take_over(record, attempt.app_state.settings.lease)
@@ -229,8 +273,16 @@ def answer_existing(
     raise attempt.emit_found(found, record).http()
 
 
-def replay(stored: StoredResponse, options: ViewOptions, headers: frozenset[str]) -> Response:
+def replay(
+    stored: StoredResponse,
+    options: ViewOptions,
+    headers: frozenset[str],
+    kept_for: float,
+) -> Response:
     """The answer to a retry: the stored response byte for byte, or the view's ``replay=``.
+
+    ``kept_for`` (the record's :attr:`~flask_idem.core.record.Record.kept_for`) is sent as
+    ``Idempotency-Retention``: how much longer the key replays this answer.
 
     Only the stored headers named in ``headers`` (``IDEMPOTENCY_STORED_HEADERS``) are sent:
     a completion stores no other, so another one in the row was written by something else
@@ -247,7 +299,8 @@ def replay(stored: StoredResponse, options: ViewOptions, headers: frozenset[str]
         del response.headers["Content-Type"]
         for name, value in stored.headers:
             response.headers.add(name, value)
-    response.headers["Idempotent-Replayed"] = "true"
+    response.headers[REPLAYED_HEADER] = "true"
+    response.headers[RETENTION_HEADER] = _seconds(kept_for)
     return response
 
 
@@ -399,10 +452,10 @@ def finish(attempt: Attempt, response: Response) -> Response:
         return _unrecorded(attempt, "the view ended its business transaction itself")
     if attempt.phase is Phase.CRASHED:
         attempt.give_up("the view raised an exception")
-        return response
+        return unreplayed(response)
     if attempt.phase is Phase.REFUSED:
         attempt.give_up("the view refused the request")
-        return response
+        return unreplayed(response)
     if attempt.rolled_back and response.status_code < 400:
         # The view (or a hook) rolled back what it wrote, then answered a success: the
         # answer does not stand for what committed. (An error answer after a rollback does.)
@@ -412,7 +465,7 @@ def finish(attempt: Attempt, response: Response) -> Response:
         or response.status_code not in STORABLE_STATUSES
     ):
         attempt.give_up(f"status {response.status_code} is never stored")
-        return response
+        return unreplayed(response)
     if app_state.unmanaged_db is not None and has_unmanaged_writes(app_state.unmanaged_db):
         log.warning(
             "a protected view left writes in db.session that flask_idem does not commit: its "
@@ -425,7 +478,7 @@ def finish(attempt: Attempt, response: Response) -> Response:
         # the atomic claim went with it, and nothing of the attempt is left. Its answer goes
         # out unstored; the key is free, so a retry runs the view again.
         attempt.give_up("the business transaction was rolled back before the answer")
-        return response
+        return unreplayed(response)
     if attempt.note_ended_below():
         # The driver committed or rolled back under the view: its rows did not commit with
         # this answer, so it must never be stored (nor the key given back).
@@ -437,7 +490,7 @@ def _unrecorded(attempt: Attempt, reason: str) -> Response:
     """Give the key up and answer 500: the view's answer does not stand for what committed."""
     attempt.give_up(reason)
     problem = InternalError(OUTCOMES[Failure.WORK_LOST].detail + _crash_outcome(attempt))
-    return problem_response(attempt.app_state, attempt, problem)
+    return unreplayed(problem_response(attempt.app_state, attempt, problem))
 
 
 def _complete(attempt: Attempt, response: Response) -> Response:
@@ -448,19 +501,21 @@ def _complete(attempt: Attempt, response: Response) -> Response:
         # (a validation answer before any contact): kept as unstored, it would answer 409 to
         # every retry of a request that only needs fixing. Given back, a retry gets it again.
         attempt.give_up("its 4xx answer is too large to store")
-        return response
+        return unreplayed(response)
     try:
         stored = attempt.complete(snapshot)
     except StoreUnavailable as exc:
         failure = attempt.record_failed(exc, ran="view")
         if failure is None:
-            return response  # the client still learns what happened
-        return problem_response(attempt.app_state, attempt, OUTCOMES[failure].http())
+            return unreplayed(response)  # the client still learns what happened; retries 409
+        answer = problem_response(attempt.app_state, attempt, OUTCOMES[failure].http())
+        # After a failed commit the view's answer may be stored after all: no promise.
+        return answer if failure is Failure.COMMIT_UNCERTAIN else unreplayed(answer)
     if not stored:
         # The lease expired and a retry took the record over: this request's writes in the
         # business transaction are rolled back and the operation belongs to the new owner.
         problem = attempt.emit_found(Failure.LEASE_LOST).http()
-        return problem_response(attempt.app_state, attempt, problem)
+        return unreplayed(problem_response(attempt.app_state, attempt, problem))
     attempt.emit(signals.completed, status=response.status_code, stored=snapshot is not None)
     if snapshot is None:
         log.warning(
@@ -468,8 +523,9 @@ def _complete(attempt: Attempt, response: Response) -> Response:
             "retries get 409 response-not-stored",
             extra={"key_hash": key_hash(attempt.scope)},
         )
-        # The only caller that gets this answer learns that no retry will.
-        response.headers["Idempotent-Stored"] = "false"
+        return unreplayed(response)
+    # Set after the snapshot, so never stored: a replay says how long is left then.
+    response.headers[RETENTION_HEADER] = _seconds(attempt.ttl)
     return response
 
 
@@ -522,6 +578,19 @@ def store_unavailable(error: StoreUnavailable) -> ResponseReturnValue:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+
+def unreplayed(response: Response) -> Response:
+    """Tell the caller of a request that held the key that no retry will get this answer
+    back (``Idempotent-Stored: false``): retries run the request again (the key was given
+    back), or are answered 409 (``response-not-stored``, ``outcome-pending``)."""
+    response.headers[STORED_HEADER] = "false"
+    return response
+
+
+def _seconds(seconds: float) -> str:
+    """Whole seconds, rounded down: a promise the key keeps."""
+    return str(max(0, math.floor(seconds)))
 
 
 def problem_response(app_state: AppState, attempt: Attempt | None, problem: Problem) -> Response:

@@ -16,7 +16,7 @@ per endpoint it was used on: state, first seen, completed at, stored status, whe
 replay, and when the key expires. Stored bodies and headers only with
 ``IDEMPOTENCY_INSPECT_BODIES``.
 
-Who may ask
+Who may ask for records
     The tenant comes from the extension's tenant resolver, after the application's own
     authentication hooks. No tenant means an anonymous caller: 401 ``authentication-required``
     (not the 500 ``tenant-unresolved`` of protected writes: an anonymous read is a client
@@ -24,11 +24,19 @@ Who may ask
 Isolation
     Records are looked up under the caller's tenant only, so another tenant's key answers the
     very same 404 as a key nobody used: the body cannot tell them apart.
+
+The policy, ``GET <prefix>/policy``, is public (no tenant asked, no record read): what a client
+needs before its first request (the header, the methods that claim, whether a key is required,
+how long a key is kept, the limit on new keys), the application's defaults, the same for every
+caller. A view's own ``ttl=`` is announced on its answers (``Idempotency-Retention``); an
+application with such views documents them too (the draft asks a server to publish its expiry
+policy).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import typing as t
 
 from flask import Blueprint, current_app, request
@@ -55,6 +63,8 @@ if t.TYPE_CHECKING:
 
 #: The answer may change at any moment and names a tenant's operations: never cache it.
 _NO_STORE = ("Cache-Control", "no-store")
+#: The policy document names no one and changes with a deployment only.
+_PUBLIC = ("Cache-Control", "public, max-age=300")
 #: The longest endpoint filter accepted (records store at most 255 characters).
 MAX_ENDPOINT = 512
 #: The largest POST body accepted: a key and an endpoint.
@@ -94,6 +104,20 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
             )
         schema = request_schema(bodies=state.settings.inspect_bodies, many=True)
         return {"requests": schema.dump(records)}, 200, [_NO_STORE]
+
+    @blueprint.route("/policy", methods=["GET"])
+    @extension.exempt
+    def policy() -> ResponseReturnValue:
+        # The same for every caller, and read before any request: no tenant, no records.
+        settings = AppState.current().settings
+        document = {
+            "header": settings.header,
+            "methods": sorted(settings.methods),
+            "key_required": settings.key_required,
+            "retention_seconds": math.floor(settings.ttl),
+            "key_rate_limit": settings.key_rate_limit,
+        }
+        return document, 200, [_PUBLIC]
 
     from . import operator_page as operator
 

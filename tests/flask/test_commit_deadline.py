@@ -75,6 +75,7 @@ def test_a_commit_past_the_deadline_is_reported_as_uncertain(
         first = client.post("/payments", json={"amount": SLOW_AMOUNT}, headers=headers)
     assert first.status_code == 503, first.get_data(as_text=True)
     assert first.json is not None and "may or may not have been recorded" in first.json["detail"]
+    assert "Idempotent-Stored" not in first.headers, "it may be stored: no promise either way"
     logged = " | ".join(record.getMessage() for record in caplog.records)
     assert "before the commit" not in logged, logged
     assert "may or may not be recorded" in logged, logged

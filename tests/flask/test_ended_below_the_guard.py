@@ -153,6 +153,7 @@ def test_an_end_below_the_stores_connection_is_never_released_nor_stored(
         answers = [client.post(f"/pay/{answer}", headers=headers) for _ in range(3)]
         assert _paid(store, answer) <= 1, f"{_paid(store, answer)} rows committed for one key"
         assert [a.status_code for a in answers] == [first, 409, 409], "stored or released"
+        assert answers[0].headers["Idempotent-Stored"] == "false", "never replayed"
         assert answers[1].get_json()["type"].endswith("/outcome-pending")
 
 

@@ -234,6 +234,7 @@ def test_store_failing_after_the_charge_tells_the_truth_and_finishes_on_retry(
     assert problem_name(failed) == "store-unavailable"
     assert "may have taken effect" in failed.get_json()["detail"]
     assert "nothing was changed" not in failed.get_json()["detail"]
+    assert failed.headers["Idempotent-Stored"] == "false", "the 503 is never replayed"
     assert _record(store, "/pay").state is State.UNKNOWN
     retry = _post(client, "/pay")
     assert retry.status_code == 201 and retry.get_json() == {"charge": 1}

@@ -73,6 +73,7 @@ def test_a_4xx_too_large_to_store_frees_the_key_and_the_retry_gets_it_again(
         assert response.status_code == 400, response.data
         assert response.json == {"errors": HUGE}
         assert "Idempotent-Replayed" not in response.headers
+        assert response.headers["Idempotent-Stored"] == "false", "given back, never replayed"
         assert counter.calls == attempt, "the retry ran the view again: nothing was kept"
     assert _record_state(store, path) is None
 

@@ -57,6 +57,7 @@ def test_every_option_keeps_its_default() -> None:
         "fingerprint": None,
         "atomic": False,
         "replay": None,
+        "key_rate_limit": None,
         "key": None,
     }
     assert EXEMPT == ViewOptions()
