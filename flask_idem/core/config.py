@@ -331,3 +331,17 @@ DEFAULTS: dict[str, t.Any] = {name: key.default for _, name, key in keys()}
 
 #: Upper bounds of the numeric settings.
 MAXIMA: dict[str, float] = {name: key.maximum for _, name, key in keys() if key.maximum is not None}
+
+
+def check_override(option: str, key: str, value: t.Any) -> t.Any:
+    """``value`` of a view's or job's ``option`` that overrides config ``key``, parsed as the
+    key is: an override keeps to the key's bounds (a lease of a millisecond would renew in a
+    busy loop, a TTL of 1e300 overflow the database's intervals).
+
+    :raises ConfigurationError: it is out of them (the message names the option).
+    """
+    parse = next(found for _, name, found in keys() if name == key).parse
+    try:
+        return parse(key, value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{option}= (overrides {key}): {exc}") from None

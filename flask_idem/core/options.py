@@ -19,7 +19,7 @@ import warnings
 
 from flask.typing import ResponseReturnValue
 
-from .config import MAXIMA, rate_limit
+from .config import check_override, rate_limit
 from .errors import ConfigurationError
 from .record import StoredResponse
 
@@ -125,10 +125,8 @@ class OutcomeOptions:
     def __post_init__(self) -> None:
         if self.recovery not in ("fail", "reexecute"):
             raise ConfigurationError("recovery must be 'fail' or 'reexecute'")
-        if self.ttl is not None and not 0 < self.ttl <= MAXIMA["IDEMPOTENCY_TTL"]:
-            raise ConfigurationError(
-                f"ttl must be a positive number of seconds, at most {MAXIMA['IDEMPOTENCY_TTL']:.0f}"
-            )
+        if self.ttl is not None:
+            check_override("ttl", "IDEMPOTENCY_TTL", self.ttl)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,8 +239,8 @@ class JobOptions(OutcomeOptions):
         super().__post_init__()
         if not JOB_NAME.fullmatch(self.name):
             raise ConfigurationError("a job name is 1 to 200 characters from A-Z a-z 0-9 . _ : / -")
-        if self.lease is not None and not 0 < self.lease < float("inf"):
-            raise ConfigurationError("lease must be a positive number of seconds")
+        if self.lease is not None:
+            check_override("lease", "IDEMPOTENCY_LEASE", self.lease)
 
     @classmethod
     def build(

@@ -271,8 +271,16 @@ def test_application_500_handler_wins(store: SQLStore) -> None:
     assert response.status_code == 500 and response.data == b"custom"
 
 
-@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), 1e300, 0, -1])
-def test_a_per_view_ttl_must_be_finite_and_bounded(ttl: float) -> None:
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), 1e300, 0, -1, 0.001])
+def test_a_per_view_ttl_keeps_to_the_bounds_of_IDEMPOTENCY_TTL(ttl: float) -> None:
     idem = Idempotency(store=None, tenant=lambda: "t")
-    with pytest.raises(ConfigurationError, match="ttl must be a positive number"):
+    with pytest.raises(ConfigurationError, match=r"ttl= \(overrides IDEMPOTENCY_TTL\)"):
         idem.idempotent(ttl=ttl)
+
+
+@pytest.mark.parametrize(("option", "value"), [("lease", 0.0001), ("lease", 1e300), ("ttl", 0)])
+def test_a_job_option_keeps_to_the_bounds_of_its_config_key(option: str, value: float) -> None:
+    """A lease of a tenth of a millisecond would renew in a busy loop against the database."""
+    idem = Idempotency(store=None)
+    with pytest.raises(ConfigurationError, match=f"{option}= \\(overrides IDEMPOTENCY_"):
+        idem.job("renew", key="order_id", tenant="merchant", **{option: value})
