@@ -50,6 +50,7 @@ from .core.options import JobOptions, Recovery, ViewOptions
 from .core.problem import (
     InternalError,
     KeyReused,
+    KeyUsedElsewhere,
     OutcomePending,
     Problem,
     RequestInProgress,
@@ -58,6 +59,7 @@ from .core.problem import (
     StoreUnavailableProblem,
 )
 from .core.record import ClaimResult, Record, Reservation, Scope, State, StoredResponse
+from .core.scopes import used_elsewhere
 from .lease import Watch
 from .observers import call_observer
 from .sessions import replaced, roll_back_fresh
@@ -140,6 +142,8 @@ class Found(enum.Enum):
     DAMAGED = "damaged"
     #: The key came back with another request: refuse (a caller bug, never a retry).
     MISMATCH = "mismatch"
+    #: An account-wide key came back on another endpoint: refuse (never that one's answer).
+    ELSEWHERE = "elsewhere"
     #: The operation completed: replay its stored result.
     COMPLETED = "completed"
     #: The operation completed but its stored result cannot be decrypted here: never a replay
@@ -178,7 +182,7 @@ def classify(record: Record, digest: bytes, recovery: Recovery) -> Found:
     if record.damaged is not None:
         return Found.DAMAGED
     if record.fingerprint != digest:
-        return Found.MISMATCH
+        return Found.ELSEWHERE if used_elsewhere(record, digest) else Found.MISMATCH
     if record.state is State.COMPLETED:
         return Found.UNREADABLE if record.unreadable is not None else Found.COMPLETED
     if record.state is State.UNSTORED:
@@ -277,6 +281,15 @@ OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
         "use a new key for a new operation.",
         JobKeyReused,
         "was already used with other arguments",
+    ),
+    Found.ELSEWHERE: Outcome(
+        signals.mismatch,
+        True,
+        KeyUsedElsewhere,
+        "This idempotency key was already used on another endpoint; a key names one "
+        "operation of your account: use a new key for a new operation.",
+        JobKeyReused,
+        "was already used on another endpoint",
     ),
     Found.UNSTORED: Outcome(
         signals.not_stored,

@@ -13,7 +13,8 @@ structlog's stdlib bridge) picks them up as fields; none of them is ever the raw
                 ``conflict``, ``pending``, ``not_stored``, ``mismatch``, ``released``,
                 ``unknown``, ``lease_lost``, ``store_unavailable``, ``settled``
 ``tenant``      the scope's tenant
-``endpoint``    the scope's endpoint (``POST /v1/payments``, ``JOB renew-subscription``)
+``endpoint``    the scope's endpoint (``POST /v1/payments``, ``JOB renew-subscription``, ``*``
+                for an account-wide key); never the principal (one series per user)
 ``key_hash``    16 hex digits of SHA-256 over (tenant, endpoint, key), as in ``flask idem``
 ``fingerprint`` the first 12 hex digits of the request's fingerprint, or None
 ``state``       the record's state afterwards (None: deleted, or unknown to the caller)
@@ -45,6 +46,7 @@ from flask import current_app
 from .core import signals
 from .core.idempotency_keys import key_hash
 from .core.record import Scope
+from .core.scopes import split
 from .observers import call_observer, observer_name
 
 log = logging.getLogger("flask_idem.events")
@@ -106,7 +108,7 @@ def emit(
     fields: dict[str, t.Any] = {
         "event": event_name(signal),
         "tenant": scope.tenant,
-        "endpoint": scope.endpoint,
+        "endpoint": split(scope.endpoint)[1],
         "key_hash": key_hash(scope),
         "fingerprint": None if fingerprint is None else fingerprint.hex()[:FINGERPRINT_PREFIX],
         "state": "unstored" if extra.get("stored") is False else _STATES.get(signal),

@@ -57,6 +57,8 @@ def test_every_option_keeps_its_default() -> None:
         "fingerprint": None,
         "atomic": False,
         "replay": None,
+        "scope": None,
+        "principal": None,
         "key": None,
     }
     assert EXEMPT == ViewOptions()
