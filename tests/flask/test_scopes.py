@@ -5,8 +5,11 @@ their records, and never show one principal's record to another."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
+import threading
+import time
 import typing as t
 import uuid
 
@@ -385,3 +388,58 @@ def test_reconcile_hands_an_account_wide_record_to_its_endpoints_reconciler(
         }
     assert asked == [key]
     assert settled == {scope: "reopened", elsewhere: "unknown"}
+
+
+# -- two endpoints racing with one account-wide key -------------------------------------------
+
+ROUNDS = 10
+ENDPOINTS = ("/orders", "/payments", "/refunds")
+
+
+@pytest.mark.postgresql
+@pytest.mark.parametrize("atomic", [False, True], ids=["leased", "atomic"])
+def test_endpoints_racing_with_one_account_wide_key_run_one_of_them(
+    pg_store: SQLStore, atomic: bool
+) -> None:
+    """Three endpoints, one key, requests released together on real threads against
+    PostgreSQL, each view holding its claim a while: exactly one view runs per key. The others
+    are refused, 422 idempotency-key-used-elsewhere (or, for atomic views, 409 while the
+    winner's transaction holds the namespace's lock), never run, never the winner's answer."""
+    app = flask.Flask("idem-scope-race")
+    app.config.update(PROPAGATE_EXCEPTIONS=False, IDEMPOTENCY_SCOPE="account")
+    idem = Idempotency(app, store=pg_store, tenant=lambda: "alpha")
+    runs: list[tuple[str, str]] = []
+
+    def view() -> t.Any:
+        runs.append((flask.request.path, flask.request.headers["Idempotency-Key"]))
+        time.sleep(0.05)  # the claim is held while the others arrive
+        return {"ran": flask.request.path}, 201
+
+    for path in ENDPOINTS:
+        app.add_url_rule(path, path, idem.idempotent(atomic=atomic)(view), methods=["POST"])
+    start = threading.Barrier(len(ENDPOINTS))
+
+    def send(path: str, key: str) -> tuple[int, str]:
+        client = app.test_client()
+        start.wait()
+        response = client.post(path, json={"amount": 1}, headers={"Idempotency-Key": key})
+        return response.status_code, _problem(response) if response.status_code >= 400 else ""
+
+    allowed = {(422, "idempotency-key-used-elsewhere")}
+    if atomic:
+        allowed.add((409, "request-in-progress"))
+    with concurrent.futures.ThreadPoolExecutor(len(ENDPOINTS)) as pool:
+        for _ in range(ROUNDS):
+            key = _key()
+            answers = list(pool.map(send, ENDPOINTS, [key] * len(ENDPOINTS)))
+            assert len([run for run in runs if run[1] == key]) == 1, answers
+            assert sorted(answers)[0] == (201, ""), answers
+            assert set(sorted(answers)[1:]) <= allowed, answers
+            [(winner, _)] = [run for run in runs if run[1] == key]
+            for path in ENDPOINTS:
+                again = _post(app, path, key)
+                if path == winner:
+                    assert again.headers["Idempotent-Replayed"] == "true"
+                else:
+                    assert _problem(again) == "idempotency-key-used-elsewhere"
+    assert len(runs) == ROUNDS
