@@ -388,6 +388,35 @@ class OperatorStoreContract(_Contract):
             assert [r.scope for r in store.find("t", "k", endpoint=scope.endpoint)] == [scope]
             assert [r.scope for r in store.find_hashed("t", key_hash(scope))] == [scope]
 
+    def test_created_between_reads_an_endpoints_records_of_every_principal(
+        self, store: Store
+    ) -> None:
+        """The next-day check asks for the records of its endpoints: a principal's records of
+        them are theirs too, the account-wide ones come by ``*``, and nothing else does (an
+        endpoint that only ends like one, another case, another principal's other endpoint)."""
+        wanted = [
+            Scope("t", column, "created")
+            for column in ("POST /p/<a_b>", "principal=alice POST /p/<a_b>", ACCOUNT)
+        ]
+        others = [
+            Scope("t", column, "created")
+            for column in (
+                "POST /x/p/<a_b>",
+                "principal=alice POST /q",
+                "principal=alice post /P/<A_B>",
+                "POST /p/<aXb>",
+                "principal=bob POST /x POST /p/<a_b>",
+            )
+        ]
+        for scope in wanted + others:
+            store.claim(scope, FP, ttl=600, lease=30)
+        now = store.get(wanted[0])
+        assert now is not None
+        window = (now.created_at - _seconds(60), now.created_at + _seconds(60))
+        found = store.created_between(*window, endpoints=["POST /p/<a_b>", ACCOUNT])
+        assert {record.scope for record in found} == set(wanted)
+        assert all(record.response is None for record in found)
+
 
 class StoreContract(RequestStoreContract, OperatorStoreContract):
     """The whole contract of a :class:`~flask_idem.Store` (both interfaces); subclass it (its
