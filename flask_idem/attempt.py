@@ -388,6 +388,10 @@ class Attempt:
     echo: str | None = None
     #: The request's fingerprint, once computed (events carry a prefix of it).
     fingerprint: bytes | None = None
+    #: The endpoint the request runs (``POST /v1/payments``): what events and spans name,
+    #: also when the scope's endpoint column does not say it (account-wide: ``*``) or says
+    #: more (a principal's). None: the scope's, principal left out (a job's).
+    endpoint: str | None = None
     phase: Phase = dataclasses.field(init=False)
     token: str | None = None
     #: The record this attempt owns (claimed or taken over).
@@ -543,7 +547,14 @@ class Attempt:
         claim's start, or the view's once it holds the key), its fingerprint's prefix."""
         assert self.scope is not None
         since = self.started if self.view_started is None else self.view_started
-        events.emit(signal, self.scope, fingerprint=self.fingerprint, since=since, **extra)
+        events.emit(
+            signal,
+            self.scope,
+            fingerprint=self.fingerprint,
+            since=since,
+            endpoint=self.endpoint,
+            **extra,
+        )
 
     def emit_found(self, found: Found | Failure, record: Record | None = None) -> Outcome:
         """Send the event (and log the error) of ``found``'s row of :data:`OUTCOMES`, and

@@ -13,8 +13,9 @@ structlog's stdlib bridge) picks them up as fields; none of them is ever the raw
                 ``conflict``, ``pending``, ``not_stored``, ``mismatch``, ``released``,
                 ``unknown``, ``lease_lost``, ``store_unavailable``, ``settled``
 ``tenant``      the scope's tenant
-``endpoint``    the scope's endpoint (``POST /v1/payments``, ``JOB renew-subscription``, ``*``
-                for an account-wide key); never the principal (one series per user)
+``endpoint``    the endpoint (``POST /v1/payments``, ``JOB renew-subscription``), also of an
+                account-wide key (``*`` outside its request: reconcilers, the CLI); never
+                the principal of a per-principal key (one series per user)
 ``key_hash``    16 hex digits of SHA-256 over (tenant, endpoint, key), as in ``flask idem``
 ``fingerprint`` the first 12 hex digits of the request's fingerprint, or None
 ``state``       the record's state afterwards (None: deleted, or unknown to the caller)
@@ -92,6 +93,7 @@ def emit(
     *,
     fingerprint: bytes | None = None,
     since: float | None = None,
+    endpoint: str | None = None,
     **extra: t.Any,
 ) -> None:
     """Send ``signal`` for ``scope`` and log the transition once.
@@ -99,6 +101,9 @@ def emit(
     An attempt (:meth:`flask_idem.attempt.Attempt.emit`) gives its fingerprint and its clock:
     ``since`` is the ``time.monotonic()`` the duration counts from. Callers outside an attempt
     (reconcilers, the CLI) give the fingerprint they know, and no duration.
+
+    :param endpoint: the endpoint the attempt runs, when the scope's endpoint column does not
+        say it (account-wide); else the column's, principal left out.
     """
     level = _LEVELS.get(signal, logging.INFO)
     logged = log.isEnabledFor(level)
@@ -108,7 +113,7 @@ def emit(
     fields: dict[str, t.Any] = {
         "event": event_name(signal),
         "tenant": scope.tenant,
-        "endpoint": split(scope.endpoint)[1],
+        "endpoint": endpoint or split(scope.endpoint)[1],
         "key_hash": key_hash(scope),
         "fingerprint": None if fingerprint is None else fingerprint.hex()[:FINGERPRINT_PREFIX],
         "state": "unstored" if extra.get("stored") is False else _STATES.get(signal),

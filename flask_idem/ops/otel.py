@@ -145,7 +145,7 @@ class AttemptSpan:
         self.key_hash = key_hash(state.scope)
         self._runs = "job" if isinstance(state.options, JobOptions) else "view"
         # Never the principal (a span name per user): it is the key's, as the key is.
-        self.endpoint = split(state.scope.endpoint)[1]
+        self.endpoint = state.endpoint or split(state.scope.endpoint)[1]
         self.span = tracer.start_span(
             f"idempotency {self.endpoint}",
             attributes={

@@ -159,7 +159,7 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
         scope = Scope(tenant, namespace(endpoint, scope_name, principal), key)
     except PrincipalInvalid as exc:
         raise _principal_unresolved(str(exc)) from None
-    attempt = _start(Attempt(app_state, scope, options))
+    attempt = _start(Attempt(app_state, scope, options, endpoint=endpoint))
     attempt.start_trace()
     if body is None:
         body = read_body(req, settings.max_request_body)

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from flask import abort
 
 from flask_idem import Idempotency, Scope, State
+from flask_idem.core import signals
 from flask_idem.core.errors import ConfigurationError
 from flask_idem.core.fingerprint import fingerprint
 from flask_idem.core.scopes import ACCOUNT, account_fingerprint
@@ -288,6 +289,23 @@ def test_a_principal_too_long_for_the_endpoint_is_refused(store: SQLStore) -> No
     assert response.status_code == 500 and _problem(response) == "principal-unresolved"
     assert _post(app, "/orders", _key()).status_code == 201
     assert counter.calls == 1
+
+
+def test_events_name_the_endpoint_never_the_principal(store: SQLStore) -> None:
+    """Events (and the metrics and spans fed by them) carry the endpoint the request ran on,
+    also for an account-wide key, and never a principal: one series per endpoint, not per
+    user."""
+    app, _, _ = _build(store, IDEMPOTENCY_SCOPE="account", IDEMPOTENCY_PRINCIPAL=_principal)
+    seen: list[tuple[str, str]] = []
+
+    def collect(sender: flask.Flask, **event: t.Any) -> None:
+        seen.append((event["event"], event["endpoint"]))
+
+    key = _key()
+    with signals.claimed.connected_to(collect), signals.mismatch.connected_to(collect):
+        assert _post(app, "/orders", key, "sk_alice").status_code == 201
+        assert _post(app, "/payments", key, "sk_alice").status_code == 422
+    assert seen == [("claimed", ORDERS), ("mismatch", PAYMENTS)]
 
 
 # -- operators --------------------------------------------------------------------------------
