@@ -163,6 +163,30 @@ def test_a_view_option_overrides_the_app_wide_scope(store: SQLStore) -> None:
     assert counter.calls == 2
 
 
+def test_a_blueprint_can_be_account_wide(store: SQLStore) -> None:
+    app = flask.Flask("idem-scope-blueprint")
+    app.config.update(PROPAGATE_EXCEPTIONS=False)
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+    blueprint = flask.Blueprint("billing", __name__)
+    counter = Counter()
+
+    @blueprint.post("/invoices")
+    def invoice() -> t.Any:
+        return {"invoice": counter.bump()}, 201
+
+    @blueprint.post("/credits")
+    def credit() -> t.Any:
+        return {"credit": counter.bump()}, 201
+
+    idem.protect_blueprint(blueprint, scope="account")
+    app.register_blueprint(blueprint)
+    key = _key()
+    assert _post(app, "/invoices", key).status_code == 201
+    refused = _post(app, "/credits", key)
+    assert refused.status_code == 422 and _problem(refused) == "idempotency-key-used-elsewhere"
+    assert counter.calls == 1
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
