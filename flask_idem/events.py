@@ -15,7 +15,7 @@ structlog's stdlib bridge) picks them up as fields; none of them is ever the raw
 ``tenant``      the scope's tenant
 ``endpoint``    the endpoint (``POST /v1/payments``, ``JOB renew-subscription``), also of an
                 account-wide key (``*`` outside its request: reconcilers, the CLI); never
-                the principal of a per-principal key (one series per user)
+                a per-principal key's principal (that would be one series per user)
 ``key_hash``    16 hex digits of SHA-256 over (tenant, endpoint, key), as in ``flask idem``
 ``fingerprint`` the first 12 hex digits of the request's fingerprint, or None
 ``state``       the record's state afterwards (None: deleted, or unknown to the caller)
