@@ -50,6 +50,7 @@ from .core.options import JobOptions, Recovery, ViewOptions
 from .core.problem import (
     InternalError,
     KeyReused,
+    KeyUsedElsewhere,
     OutcomePending,
     Problem,
     RequestInProgress,
@@ -58,6 +59,7 @@ from .core.problem import (
     StoreUnavailableProblem,
 )
 from .core.record import ClaimResult, Record, Reservation, Scope, State, StoredResponse
+from .core.scopes import used_elsewhere
 from .lease import Watch
 from .observers import call_observer
 from .sessions import replaced, roll_back_fresh
@@ -141,6 +143,8 @@ class Found(enum.Enum):
     DAMAGED = "damaged"
     #: The key came back with another request: refuse (a caller bug, never a retry).
     MISMATCH = "mismatch"
+    #: An account-wide key came back on another endpoint: refuse (never that one's answer).
+    ELSEWHERE = "elsewhere"
     #: The operation completed: replay its stored result.
     COMPLETED = "completed"
     #: The operation completed but its stored result cannot be decrypted here: never a replay
@@ -179,7 +183,7 @@ def classify(record: Record, digest: bytes, recovery: Recovery) -> Found:
     if record.damaged is not None:
         return Found.DAMAGED
     if record.fingerprint != digest:
-        return Found.MISMATCH
+        return Found.ELSEWHERE if used_elsewhere(record, digest) else Found.MISMATCH
     if record.state is State.COMPLETED:
         return Found.UNREADABLE if record.unreadable is not None else Found.COMPLETED
     if record.state is State.UNSTORED:
@@ -279,6 +283,15 @@ OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
         JobKeyReused,
         "was already used with other arguments",
     ),
+    Found.ELSEWHERE: Outcome(
+        signals.mismatch,
+        True,
+        KeyUsedElsewhere,
+        "This idempotency key was already used on another endpoint; a key names one "
+        "operation of your account: use a new key for a new operation.",
+        JobKeyReused,
+        "was already used on another endpoint",
+    ),
     Found.UNSTORED: Outcome(
         signals.not_stored,
         False,
@@ -376,6 +389,10 @@ class Attempt:
     echo: str | None = None
     #: The request's fingerprint, once computed (events carry a prefix of it).
     fingerprint: bytes | None = None
+    #: The endpoint the request runs (``POST /v1/payments``): what events and spans name,
+    #: also when the scope's endpoint column does not say it (account-wide: ``*``) or says
+    #: more (a principal's). None: the scope's, principal left out (a job's).
+    endpoint: str | None = None
     phase: Phase = dataclasses.field(init=False)
     token: str | None = None
     #: The record this attempt owns (claimed or taken over).
@@ -537,7 +554,14 @@ class Attempt:
         claim's start, or the view's once it holds the key), its fingerprint's prefix."""
         assert self.scope is not None
         since = self.started if self.view_started is None else self.view_started
-        events.emit(signal, self.scope, fingerprint=self.fingerprint, since=since, **extra)
+        events.emit(
+            signal,
+            self.scope,
+            fingerprint=self.fingerprint,
+            since=since,
+            endpoint=self.endpoint,
+            **extra,
+        )
 
     def emit_found(self, found: Found | Failure, record: Record | None = None) -> Outcome:
         """Send the event (and log the error) of ``found``'s row of :data:`OUTCOMES`, and

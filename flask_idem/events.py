@@ -13,7 +13,9 @@ structlog's stdlib bridge) picks them up as fields; none of them is ever the raw
                 ``conflict``, ``pending``, ``not_stored``, ``mismatch``, ``rate_limited``,
                 ``released``, ``unknown``, ``lease_lost``, ``store_unavailable``, ``settled``
 ``tenant``      the scope's tenant
-``endpoint``    the scope's endpoint (``POST /v1/payments``, ``JOB renew-subscription``)
+``endpoint``    the endpoint (``POST /v1/payments``, ``JOB renew-subscription``), also of an
+                account-wide key (``*`` outside its request: reconcilers, the CLI); never
+                a per-principal key's principal (that would be one series per user)
 ``key_hash``    16 hex digits of SHA-256 over (tenant, endpoint, key), as in ``flask idem``
 ``fingerprint`` the first 12 hex digits of the request's fingerprint, or None
 ``state``       the record's state afterwards (None: deleted, or unknown to the caller)
@@ -45,6 +47,7 @@ from flask import current_app
 from .core import signals
 from .core.idempotency_keys import key_hash
 from .core.record import Scope
+from .core.scopes import split
 from .observers import call_observer, observer_name
 
 log = logging.getLogger("flask_idem.events")
@@ -91,6 +94,7 @@ def emit(
     *,
     fingerprint: bytes | None = None,
     since: float | None = None,
+    endpoint: str | None = None,
     **extra: t.Any,
 ) -> None:
     """Send ``signal`` for ``scope`` and log the transition once.
@@ -98,6 +102,9 @@ def emit(
     An attempt (:meth:`flask_idem.attempt.Attempt.emit`) gives its fingerprint and its clock:
     ``since`` is the ``time.monotonic()`` the duration counts from. Callers outside an attempt
     (reconcilers, the CLI) give the fingerprint they know, and no duration.
+
+    :param endpoint: the endpoint the attempt runs, when the scope's endpoint column does not
+        say it (account-wide); else the column's, principal left out.
     """
     level = _LEVELS.get(signal, logging.INFO)
     logged = log.isEnabledFor(level)
@@ -107,7 +114,7 @@ def emit(
     fields: dict[str, t.Any] = {
         "event": event_name(signal),
         "tenant": scope.tenant,
-        "endpoint": scope.endpoint,
+        "endpoint": endpoint or split(scope.endpoint)[1],
         "key_hash": key_hash(scope),
         "fingerprint": None if fingerprint is None else fingerprint.hex()[:FINGERPRINT_PREFIX],
         "state": "unstored" if extra.get("stored") is False else _STATES.get(signal),

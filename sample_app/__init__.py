@@ -15,7 +15,7 @@ from werkzeug.exceptions import HTTPException
 from flask_idem.store import engine_options, normalize_url
 
 from . import jobs, problems, provider, ratelimit, reconcilers  # noqa: F401 (registers)
-from .auth import authenticate
+from .auth import api_key_id, authenticate
 from .extensions import db, idem
 from .models import init_db_command
 from .views import bp
@@ -28,6 +28,8 @@ SAMPLE_DEFAULTS = {
     "SAMPLE_PROVIDER_TRANSIT_MS": "0",
     "SAMPLE_PROVIDER_LOG": None,
     "SAMPLE_WEBHOOK_LATENCY_MS": "0",
+    # "true": idempotency keys per API key inside the tenant (IDEMPOTENCY_PRINCIPAL).
+    "SAMPLE_KEYS_PER_API_KEY": "false",
     "SAMPLE_METRICS_TOKEN": None,
 }
 
@@ -50,6 +52,11 @@ def create_app() -> Flask:
     app.config["IDEMPOTENCY_METRICS"] = True
     # FLASK_IDEMPOTENCY_TTL=2 -> IDEMPOTENCY_TTL, FLASK_IDEMPOTENCY_AUDIT=true, and so on.
     app.config.from_prefixed_env()
+    # Each API key has keys of its own (its id is the principal, never the key); with
+    # FLASK_IDEMPOTENCY_SCOPE=account a key is one operation of the account across the API's
+    # POST endpoints (a payment's key reused for a refund is 422).
+    if str(app.config["SAMPLE_KEYS_PER_API_KEY"]).lower() == "true":
+        app.config["IDEMPOTENCY_PRINCIPAL"] = api_key_id
     url = app.config["IDEMPOTENCY_DATABASE_URL"]
     # Members in the documented order (id first), not sorted.
     app.json.sort_keys = False  # type: ignore[attr-defined]

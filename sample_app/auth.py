@@ -17,7 +17,14 @@ P = t.ParamSpec("P")
 R = t.TypeVar("R")
 
 #: API key -> tenant. A real service would look hashed keys up in its database.
-API_KEYS = {"sk_test_alpha": "alpha", "sk_test_beta": "beta", "sk_test_alpha_read": "alpha"}
+#: ``sk_test_alpha_2`` is a second key of the alpha account that writes too: with
+#: ``SAMPLE_KEYS_PER_API_KEY`` each API key has idempotency keys of its own.
+API_KEYS = {
+    "sk_test_alpha": "alpha",
+    "sk_test_beta": "beta",
+    "sk_test_alpha_read": "alpha",
+    "sk_test_alpha_2": "alpha",
+}
 #: What each API key may do (keys not listed may do everything).
 PERMISSIONS = {"sk_test_alpha_read": frozenset({"payments:read"})}
 #: The provider's webhook signing secret of each merchant account -> tenant. The secret that
@@ -59,6 +66,12 @@ def authenticate() -> None:
     g.permissions = PERMISSIONS.get(token)
     # The rate limiter stores its bucket names in the database: never the secret itself.
     g.api_key_id = hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def api_key_id() -> str | None:
+    """The principal of ``SAMPLE_KEYS_PER_API_KEY`` (``IDEMPOTENCY_PRINCIPAL``): the caller's
+    API key id that :func:`authenticate` set, never the key itself."""
+    return g.get("api_key_id")
 
 
 def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:

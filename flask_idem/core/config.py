@@ -19,6 +19,7 @@ import sqlalchemy as sa
 
 from .errors import ConfigurationError
 from .record import UNREPLAYABLE_HEADERS, Archive
+from .scopes import SCOPES, ScopeName
 from .sealing import DEFAULT_COMPRESS_MIN, EncryptionKey, parse_keys
 
 #: Seven years of 365 days: audit rows are kept as long as a payment ledger usually is.
@@ -167,6 +168,21 @@ def _url_prefix(name: str, raw: t.Any) -> str | None:
     return prefix
 
 
+def _scope_name(name: str, raw: t.Any) -> ScopeName:
+    if raw not in SCOPES:
+        raise ConfigurationError(f"{name} must be one of {', '.join(SCOPES)}, got {raw!r}")
+    return t.cast(ScopeName, raw)
+
+
+def _a_principal_callable(name: str, raw: t.Any) -> t.Callable[[], t.Any] | None:
+    if raw is not None and not callable(raw):
+        raise ConfigurationError(
+            f"{name} must be a callable returning the current request's principal (a user "
+            "id, an API key's id), or None"
+        )
+    return t.cast("t.Callable[[], t.Any] | None", raw)
+
+
 def _encryption_keys(name: str, raw: t.Any) -> tuple[EncryptionKey, ...]:
     return parse_keys(raw, name)  # never echoes key material in its errors
 
@@ -239,6 +255,12 @@ class Settings:
     methods: frozenset[str] = setting(("POST", "PATCH"), _http_methods)
     key_required: bool = setting(True, _flag)
     protect_all: bool = setting(False, _flag)
+    #: The namespace of a key: ``"endpoint"`` (one per endpoint) or ``"account"`` (one per
+    #: tenant across the account-wide endpoints; see :mod:`flask_idem.core.scopes`).
+    scope: ScopeName = setting("endpoint", _scope_name)
+    #: ``() -> str | int`` returning the current request's principal (user id, API key id):
+    #: keys are then per principal inside the tenant. None: per tenant.
+    principal: t.Callable[[], t.Any] | None = setting(None, _a_principal_callable)
     max_body: int = setting(256 * 1024, Number(0, 64 * 1024 * 1024, integer=True))
     #: Largest request body of a protected request, in bytes (413 beyond).
     max_request_body: int = setting(1024 * 1024, Number(0, 1024 * 1024 * 1024, integer=True))

@@ -22,6 +22,7 @@ from flask.typing import ResponseReturnValue
 from .config import check_override, rate_limit
 from .errors import ConfigurationError
 from .record import StoredResponse
+from .scopes import SCOPES, ScopeName
 
 Recovery = t.Literal["fail", "reexecute"]
 FingerprintFunction = t.Callable[[t.Any], "bytes | str"]
@@ -29,6 +30,8 @@ FingerprintFunction = t.Callable[[t.Any], "bytes | str"]
 KeyFunction = t.Callable[[t.Any], "str | int | None"]
 #: A job's key or tenant: the name of one of its parameters, or a callable taking its arguments.
 JobArgument = str | t.Callable[..., t.Any]
+#: Returns the current request's principal: ``() -> str | int`` (see ``principal=``).
+PrincipalFunction = t.Callable[[], t.Any]
 #: Builds the answer to a retry from the stored snapshot (see ``replay=``).
 ReplayFunction = t.Callable[[StoredResponse], ResponseReturnValue]
 
@@ -85,6 +88,16 @@ class BlueprintOptionArgs(OutcomeArgs, total=False):
     #: alone, instead of ``IDEMPOTENCY_KEY_RATE_LIMIT``; False: no limit here. Over it, a new
     #: key is refused with 429 ``idempotency-key-rate-limited`` before any claim.
     key_rate_limit: str | t.Literal[False] | None
+    #: The key's namespace (default ``IDEMPOTENCY_SCOPE``): ``"endpoint"``, one key per
+    #: endpoint, or ``"account"``, one key per tenant (and principal) across every
+    #: account-wide endpoint; a reuse on another of them is refused with 422
+    #: ``idempotency-key-used-elsewhere``.
+    scope: ScopeName | None
+    #: ``() -> str | int`` returning the current request's principal (a user id, an API key's
+    #: id; never a credential), default ``IDEMPOTENCY_PRINCIPAL``: keys are then per principal
+    #: inside the tenant. A callable that raises or returns no usable principal is answered
+    #: with 500 ``principal-unresolved``.
+    principal: PrincipalFunction | None
 
 
 class ViewOptionArgs(BlueprintOptionArgs, total=False):
@@ -154,6 +167,10 @@ class ViewOptions(OutcomeOptions):
     replay: ReplayFunction | None = None
     #: The view's own limit on new keys; None: ``IDEMPOTENCY_KEY_RATE_LIMIT``; False: none.
     key_rate_limit: str | t.Literal[False] | None = None
+    #: None: ``IDEMPOTENCY_SCOPE``.
+    scope: ScopeName | None = None
+    #: None: ``IDEMPOTENCY_PRINCIPAL``.
+    principal: PrincipalFunction | None = None
     #: Takes the key from the request instead of the header (see ``key=``).
     key: KeyFunction | None = None
 
@@ -170,6 +187,10 @@ class ViewOptions(OutcomeOptions):
             raise ConfigurationError("replay must be a callable taking the stored response")
         if self.key_rate_limit is not False:
             rate_limit("key_rate_limit", self.key_rate_limit)  # refused here, not per request
+        if self.scope is not None and self.scope not in SCOPES:
+            raise ConfigurationError(f"scope must be one of {', '.join(SCOPES)}")
+        if self.principal is not None and not callable(self.principal):
+            raise ConfigurationError("principal must be a callable returning the principal")
         if self.key is not None and (not callable(self.key) or self.required is False):
             raise ConfigurationError(
                 "key must be a callable taking the request, and a key taken from the request "

@@ -120,6 +120,15 @@ class KeyReused(Problem):
     title = "Idempotency key reused"
 
 
+class KeyUsedElsewhere(Problem):
+    """An account-wide key came back on another endpoint than the one it was first used on
+    (``scope="account"``): never a retry, and never that endpoint's answer replayed."""
+
+    problem = "idempotency-key-used-elsewhere"
+    code = 422
+    title = "Idempotency key used on another endpoint"
+
+
 class OutcomePending(Problem):
     """The first attempt may have had an effect and nobody knows yet: ``Retry-After`` says
     when to ask again (with the same key), by default the cadence of the documented
@@ -180,6 +189,15 @@ class TenantUnresolved(Problem):
     problem = "tenant-unresolved"
     code = 500
     title = "Tenant not resolved"
+
+
+class PrincipalUnresolved(Problem):
+    """The principal callable (``IDEMPOTENCY_PRINCIPAL``, ``principal=``) raised, or returned
+    no usable principal: the key's namespace is unknown, so the request is not run."""
+
+    problem = "principal-unresolved"
+    code = 500
+    title = "Principal not resolved"
 
 
 class InternalError(Problem):

@@ -36,6 +36,8 @@ class Scope:
     """The namespace of one idempotency key: a key means something only inside it."""
 
     tenant: str
+    #: ``POST /v1/payments``, ``JOB <name>``, or what a scope option makes of it (``*`` for an
+    #: account-wide key, ``principal=<id> ...``: see :mod:`flask_idem.core.scopes`).
     endpoint: str
     key: str
 

@@ -32,6 +32,7 @@ from flask import current_app
 
 from ..core.idempotency_keys import derive_key
 from ..core.record import Record, State
+from ..core.scopes import ACCOUNT, endpoint_of
 from ..state import AppState
 from ..store import operator_store
 from .reconcile import resolve_targets
@@ -115,11 +116,17 @@ def audit(start: dt.datetime, end: dt.datetime, *, margin: float = 3600) -> Audi
     )
     wide = dt.timedelta(seconds=margin)
     store = operator_store(state.store, "the next-day check")
-    records = store.created_between(start - wide, end + wide, endpoints=list(targets))
+    records = [
+        record
+        for record in store.created_between(start - wide, end + wide, endpoints=[*targets, ACCOUNT])
+        # Of a principal, or account-wide: the endpoint it ran on (an account-wide record of
+        # an endpoint without a lookup is not this check's).
+        if endpoint_of(record, targets) in targets
+    ]
     # One service may serve several endpoints: ask it once, match against all of them.
     by_lookup: dict[Lookup, dict[tuple[str, str], Record]] = {}
     for record in records:
-        target = targets[record.scope.endpoint]
+        target = targets[endpoint_of(record, targets)]
         keys = by_lookup.setdefault(target.lookup, {})
         keys[(record.scope.tenant, derive_key(record, target.step))] = record
     for target in targets.values():

@@ -35,6 +35,7 @@ from ..core.config import Settings
 from ..core.errors import ConfigurationError
 from ..core.idempotency_keys import key_hash
 from ..core.options import JobOptions
+from ..core.scopes import split
 from ..state import EXTENSION_NAME
 from . import counting
 from .counting import AT_CLAIM, CLAIM_BUCKETS, DESCRIPTIONS, VIEW_BUCKETS, Recorder
@@ -143,10 +144,12 @@ class AttemptSpan:
         self.scope = state.scope
         self.key_hash = key_hash(state.scope)
         self._runs = "job" if isinstance(state.options, JobOptions) else "view"
+        # Never the principal (a span name per user): it is the key's, as the key is.
+        self.endpoint = state.endpoint or split(state.scope.endpoint)[1]
         self.span = tracer.start_span(
-            f"idempotency {state.scope.endpoint}",
+            f"idempotency {self.endpoint}",
             attributes={
-                "idempotency.endpoint": state.scope.endpoint,
+                "idempotency.endpoint": self.endpoint,
                 "idempotency.tenant": state.scope.tenant,
                 "idempotency.key_hash": self.key_hash,
             },
@@ -164,7 +167,7 @@ class AttemptSpan:
         """Whether ``event`` is about this attempt's scope."""
         return bool(
             event["key_hash"] == self.key_hash
-            and event["endpoint"] == self.scope.endpoint
+            and event["endpoint"] == self.endpoint
             and event["tenant"] == self.scope.tenant
         )
 

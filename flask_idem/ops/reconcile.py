@@ -45,6 +45,7 @@ from ..core import signals
 from ..core.errors import ConfigurationError
 from ..core.idempotency_keys import key_hash
 from ..core.record import STORABLE_STATUSES, Record, State, StoredResponse
+from ..core.scopes import endpoint_of
 from ..core.snapshot import response_snapshot
 from ..events import emit
 from ..jobs import JOB_ATTRIBUTE
@@ -136,7 +137,8 @@ def reconcile(records: t.Iterable[Record]) -> t.Iterator[Settlement]:
     state = AppState.current()
     reconcilers = resolve_targets(current_app, state.extension.reconcilers, state.settings.methods)
     for record in records:
-        yield _settle(state, record, reconcilers.get(record.scope.endpoint))
+        # A per-principal or account-wide record is reconciled by its endpoint's reconciler.
+        yield _settle(state, record, reconcilers.get(endpoint_of(record, reconcilers)))
 
 
 def resolve_targets(

@@ -243,7 +243,9 @@ class OperatorStore(abc.ABC):
     def created_between(
         self, start: dt.datetime, end: dt.datetime, *, endpoints: t.Collection[str]
     ) -> list[Record]:
-        """Records of ``endpoints`` created, completed or last leased in ``[start, end)``
+        """Records of ``endpoints`` (their endpoint column, principal left out: the records of
+        ``POST /p`` include ``principal=<id> POST /p``; ``*`` names the account-wide ones)
+        created, completed or last leased in ``[start, end)``
         (a takeover of an older record ran in the window too), live or expired but not yet
         purged, oldest first, across tenants, without their stored responses (for the
         next-day audit, :mod:`flask_idem.ops.downstream`)."""

@@ -22,6 +22,7 @@ from sqlalchemy.dialects import postgresql
 from ..core.errors import SchemaMissing, StoreUnavailable, UnreadableResponse
 from ..core.idempotency_keys import key_hash
 from ..core.record import ClaimResult, Health, KeyUsage, Record, Scope, State, StoredResponse
+from ..core.scopes import PRINCIPAL_PREFIX, split
 from ..core.sealing import KEY_ID_OFFSET, KEY_ID_SIZE, MAGIC, Sealer, key_id_of
 from . import engines, trail
 from .base import Store
@@ -602,11 +603,25 @@ class SQLStore(Store):
                         )
                     )
                 ),
-                table.c.endpoint.in_(list(endpoints)),
+                sa.or_(
+                    table.c.endpoint.in_(list(endpoints)),
+                    # A principal's records of these endpoints ("principal=<id> POST /p"):
+                    # LIKE narrows them (on SQLite regardless of case), the test below decides.
+                    sa.and_(
+                        table.c.endpoint.startswith(PRINCIPAL_PREFIX, autoescape=True),
+                        sa.or_(
+                            *(
+                                table.c.endpoint.endswith(f" {e}", autoescape=True)
+                                for e in endpoints
+                            )
+                        ),
+                    ),
+                ),
             )
             .order_by(table.c.created_at)
         )
-        return [record_from_row(None, row) for row in self._execute(statement).rows]
+        records = [record_from_row(None, row) for row in self._execute(statement).rows]
+        return [record for record in records if split(record.scope.endpoint)[1] in endpoints]
 
     def resolve(
         self,

@@ -23,12 +23,16 @@ with :meth:`~StoreContract.age` (stores read the database clock, so tests never 
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as dt
 import hashlib
+import threading
 
 import pytest
 
+from ..core.idempotency_keys import key_hash
 from ..core.record import Scope, State, StoredResponse
+from ..core.scopes import ACCOUNT, account_fingerprint, namespace, split, used_elsewhere
 from ..store import RequestStore, Store
 from . import age_record
 
@@ -194,6 +198,69 @@ class RequestStoreContract(_Contract):
             assert not store.complete(other, tokens[0].token, RESPONSE), "tokens are scope-bound"
             assert store.release(other, result.token)
 
+    def test_an_account_wide_key_is_claimed_once_across_endpoints(
+        self, store: RequestStore
+    ) -> None:
+        """An account-wide namespace holds one record whatever endpoint claims it, and a claim
+        from another endpoint gets the first one's fingerprint back whole: its endpoint tag
+        is what tells a reuse elsewhere from a retry, also once the record completed."""
+        scope = Scope("tenant-a", ACCOUNT, "account-wide")
+        orders = account_fingerprint("POST /v1/orders", FP)
+        payments = account_fingerprint("POST /v1/payments", FP)
+
+        def claimed_elsewhere() -> None:
+            found = store.claim(scope, payments, ttl=60, lease=30)
+            assert not found.claimed and found.record.fingerprint == orders
+            assert used_elsewhere(found.record, payments)
+            assert not used_elsewhere(found.record, orders)
+
+        first = store.claim(scope, orders, ttl=60, lease=30)
+        assert first.claimed
+        claimed_elsewhere()
+        assert store.complete(scope, first.token, RESPONSE)
+        claimed_elsewhere()
+        replay = store.claim(scope, orders, ttl=60, lease=30)
+        assert not replay.claimed and replay.record.response == RESPONSE
+
+    def test_endpoints_racing_for_an_account_wide_key_claim_it_once(
+        self, store: RequestStore
+    ) -> None:
+        """Four endpoints claiming one account-wide key at the same moment, on threads of
+        their own: exactly one owns it, and every other sees the owner's fingerprint."""
+        scope = Scope("tenant-a", ACCOUNT, "raced")
+        endpoints = [f"POST /v1/endpoint-{n}" for n in range(4)]
+        start = threading.Barrier(len(endpoints))
+
+        def claim(endpoint: str) -> tuple[bytes, bool, bytes]:
+            digest = account_fingerprint(endpoint, FP)
+            start.wait()
+            result = store.claim(scope, digest, ttl=60, lease=30)
+            return digest, result.claimed, result.record.fingerprint
+
+        with concurrent.futures.ThreadPoolExecutor(len(endpoints)) as pool:
+            results = list(pool.map(claim, endpoints))
+        winners = [digest for digest, claimed, _ in results if claimed]
+        assert len(winners) == 1, "one endpoint runs"
+        assert all(seen == winners[0] for _, _, seen in results)
+
+    def test_principals_of_one_tenant_never_collide(self, store: RequestStore) -> None:
+        """Per-principal namespaces share the tenant column and stay apart: one principal's
+        key is free for another, and its claim token writes only its own record."""
+        alice, bob = (
+            Scope("tenant-a", namespace("POST /v1/payments", "endpoint", who), "same-key")
+            for who in ("user-alice", "user-bob")
+        )
+        mine, theirs = (
+            store.claim(alice, FP, ttl=60, lease=30),
+            store.claim(bob, FP, ttl=60, lease=30),
+        )
+        assert mine.claimed and theirs.claimed
+        assert not store.complete(bob, mine.token, RESPONSE), "tokens are namespace-bound"
+        assert store.complete(alice, mine.token, RESPONSE)
+        record = store.get(bob)
+        assert record is not None and record.state is State.IN_PROGRESS
+        assert record.scope == bob and split(record.scope.endpoint)[0] == "user-bob"
+
     def test_get_sees_only_the_live_record(self, store: RequestStore, scope: Scope) -> None:
         assert store.get(scope) is None
         store.claim(scope, FP, ttl=60, lease=30)
@@ -306,6 +373,49 @@ class OperatorStoreContract(_Contract):
         assert store.evict(payments)
         assert not store.evict(payments)
         assert store.claim(payments, FP, ttl=600, lease=30).claimed
+
+    def test_find_sees_every_namespace_of_a_key(self, store: Store) -> None:
+        """The operator tools find a key's records of every scope by (tenant, key), and one
+        of them by its endpoint column or its key hash."""
+        scopes = [
+            Scope("t", column, "k")
+            for column in ("POST /p", ACCOUNT, "principal=alice POST /p", "principal=alice *")
+        ]
+        for scope in scopes:
+            store.claim(scope, FP, ttl=600, lease=30)
+        assert {r.scope for r in store.find("t", "k")} == set(scopes)
+        for scope in scopes:
+            assert [r.scope for r in store.find("t", "k", endpoint=scope.endpoint)] == [scope]
+            assert [r.scope for r in store.find_hashed("t", key_hash(scope))] == [scope]
+
+    def test_created_between_reads_an_endpoints_records_of_every_principal(
+        self, store: Store
+    ) -> None:
+        """The next-day check asks for the records of its endpoints: a principal's records of
+        them are theirs too, the account-wide ones come by ``*``, and nothing else does (an
+        endpoint that only ends like one, another case, another principal's other endpoint)."""
+        wanted = [
+            Scope("t", column, "created")
+            for column in ("POST /p/<a_b>", "principal=alice POST /p/<a_b>", ACCOUNT)
+        ]
+        others = [
+            Scope("t", column, "created")
+            for column in (
+                "POST /x/p/<a_b>",
+                "principal=alice POST /q",
+                "principal=alice post /P/<A_B>",
+                "POST /p/<aXb>",
+                "principal=bob POST /x POST /p/<a_b>",
+            )
+        ]
+        for scope in wanted + others:
+            store.claim(scope, FP, ttl=600, lease=30)
+        now = store.get(wanted[0])
+        assert now is not None
+        window = (now.created_at - _seconds(60), now.created_at + _seconds(60))
+        found = store.created_between(*window, endpoints=["POST /p/<a_b>", ACCOUNT])
+        assert {record.scope for record in found} == set(wanted)
+        assert all(record.response is None for record in found)
 
 
 class StoreContract(RequestStoreContract, OperatorStoreContract):

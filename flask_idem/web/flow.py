@@ -103,11 +103,13 @@ from ..core.problem import (
     InternalError,
     KeyInvalid,
     KeyMissing,
+    PrincipalUnresolved,
     Problem,
     StoreUnavailableProblem,
     TenantUnresolved,
 )
 from ..core.record import STORABLE_STATUSES, Record, Scope, StoredResponse
+from ..core.scopes import PrincipalInvalid, account_fingerprint, check_principal, namespace
 from ..core.snapshot import response_snapshot
 from ..sessions import has_unmanaged_writes
 from ..state import AppState
@@ -165,12 +167,21 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
             raise KeyMissing(f"This endpoint requires an {settings.header} header.")
         return None
     assert req.url_rule is not None
-    scope = Scope(_tenant(app_state), f"{req.method} {req.url_rule.rule}", key)
-    attempt = _start(Attempt(app_state, scope, options))
+    endpoint = f"{req.method} {req.url_rule.rule}"
+    scope_name = options.scope or settings.scope
+    tenant = _tenant(app_state)
+    principal = _principal(options.principal or settings.principal)
+    try:
+        scope = Scope(tenant, namespace(endpoint, scope_name, principal), key)
+    except PrincipalInvalid as exc:
+        raise _principal_unresolved(str(exc)) from None
+    attempt = _start(Attempt(app_state, scope, options, endpoint=endpoint))
     attempt.start_trace()
     if body is None:
         body = read_body(req, settings.max_request_body)
     digest = _fingerprint(req, options, body)
+    if scope_name == "account":
+        digest = account_fingerprint(endpoint, digest)
     limit = app_state.key_limiter.applying(settings, options, scope)
     if limit is not None:
         _refuse_over_limit(attempt, limit)
@@ -362,6 +373,39 @@ def _tenant(app_state: AppState) -> str:
             "The server could not tell whose request this is, so it refuses to run it."
         )
     return tenant
+
+
+def _principal(resolve: t.Callable[[], t.Any] | None) -> str | None:
+    """The request's principal (None: the view has none), checked like a key: a callable
+    that raises or returns nothing usable refuses the request, never a 500 page."""
+    if resolve is None:
+        return None
+    try:
+        return check_principal(resolve())
+    except HTTPException:
+        raise  # the callable's own answer (abort(401))
+    except PrincipalInvalid as exc:
+        raise _principal_unresolved(str(exc)) from None
+    except Exception as exc:
+        # The exception may carry the credential the principal was looked up by: redacted.
+        log.error(
+            "the principal callable raised; the request is refused (principal-unresolved)",
+            exc_info=redacted(exc),
+        )
+        raise _principal_unresolved("the principal callable raised") from None
+
+
+def _principal_unresolved(reason: str) -> PrincipalUnresolved:
+    log.error(
+        "protected request without a usable principal (%s): does IDEMPOTENCY_PRINCIPAL (or "
+        "principal=) return a user or API key id, and did the authentication that sets it "
+        "run before the claim?",
+        reason,
+    )
+    return PrincipalUnresolved(
+        "The server could not tell who within the account sent this request, so it refuses "
+        "to run it."
+    )
 
 
 def _fingerprint(req: Request, options: ViewOptions, body: bytes) -> bytes:

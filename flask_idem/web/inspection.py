@@ -23,7 +23,10 @@ Who may ask for records
     condition, not a configuration error, and must not page anyone).
 Isolation
     Records are looked up under the caller's tenant only, so another tenant's key answers the
-    very same 404 as a key nobody used: the body cannot tell them apart.
+    very same 404 as a key nobody used: the body cannot tell them apart. A record of a
+    principal (``IDEMPOTENCY_PRINCIPAL``) is shown only to that principal, as the application's
+    ``IDEMPOTENCY_PRINCIPAL`` resolves the caller; an ``endpoint`` filter finds an account-wide
+    record (``scope="account"``) of that endpoint too.
 
 The policy, ``GET <prefix>/policy``, is public (no tenant asked, no record read): what a client
 needs before its first request (the header, the methods that claim, whether a key is required,
@@ -54,6 +57,7 @@ from ..core.problem import (
     ParameterInvalid,
     StoreUnavailableProblem,
 )
+from ..core.scopes import check_principal, endpoint_of, split
 from ..core.serialization import request_schema
 from ..state import AppState
 from ..store import operator_store
@@ -88,13 +92,19 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
             scope_key = _key(None, state.settings.headers)
             endpoint = _endpoint(request.args.get("endpoint"))
         try:
-            records = operator_store(state.store, "the inspection endpoint").find(
-                tenant, scope_key, None if endpoint is None else _record_endpoint(endpoint)
-            )
+            found = operator_store(state.store, "the inspection endpoint").find(tenant, scope_key)
         except StoreUnavailable:
             raise StoreUnavailableProblem(
                 "The idempotency store cannot be reached; try again."
             ) from None
+        wanted = None if endpoint is None else _record_endpoint(endpoint)
+        principal = _caller_principal(state.settings.principal)
+        records = [
+            record
+            for record in found
+            if split(record.scope.endpoint)[0] in (None, principal)
+            and (wanted is None or endpoint_of(record, (wanted,)) == wanted)
+        ]
         if not records:
             # One body for "nobody used it" and "another tenant used it".
             raise KeyUnknown(
@@ -123,6 +133,19 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
 
     operator.register(blueprint, extension)
     return blueprint
+
+
+def _caller_principal(resolve: t.Callable[[], t.Any] | None) -> str | None:
+    """The caller's principal by ``IDEMPOTENCY_PRINCIPAL``, or None: then only the records
+    of no principal are shown (a principal's records never to a caller who is not it)."""
+    if resolve is None:
+        return None
+    try:
+        return check_principal(resolve())
+    except HTTPException:
+        raise  # the callable's own answer (abort(401))
+    except Exception:
+        return None
 
 
 def _key(given: t.Any, headers: t.Sequence[str]) -> str:

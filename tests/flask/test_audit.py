@@ -39,7 +39,11 @@ class Ledger:
 
 @pytest.fixture
 def charging(app_factory: Factory) -> tuple[flask.Flask, Ledger]:
-    app, idem, _ = app_factory()
+    return _charging(app_factory)
+
+
+def _charging(app_factory: Factory, **config: t.Any) -> tuple[flask.Flask, Ledger]:
+    app, idem, _ = app_factory(**config)
     ledger = Ledger()
 
     @app.post(PATH)
@@ -72,6 +76,26 @@ def test_a_clean_day_reports_nothing(charging: tuple[flask.Flask, Ledger]) -> No
     result = _audit(app)
     assert result.exit_code == 0, result.output
     assert "2 records, 2 downstream operations; 0 unmatched, 0 duplicate" in result.output
+
+
+def test_records_of_principals_and_account_wide_keys_are_checked(app_factory: Factory) -> None:
+    """Per-principal and account-wide records are matched by the endpoint they ran on: a
+    clean day is clean, and a charge behind the extension's back is still found."""
+    app, ledger = _charging(
+        app_factory,
+        IDEMPOTENCY_SCOPE="account",
+        IDEMPOTENCY_PRINCIPAL=lambda: flask.request.headers.get("X-User", "nobody"),
+    )
+    for user in ("alice", "bob"):
+        response = app.test_client().post(
+            PATH, headers={"Idempotency-Key": "shared", "X-User": user}
+        )
+        assert response.status_code == 201
+    result = _audit(app)
+    assert result.exit_code == 0, result.output
+    assert "2 records, 2 downstream operations; 0 unmatched, 0 duplicate" in result.output
+    ledger.charge("alpha", "a-key-no-record-derives")
+    assert "1 unmatched" in _audit(app).output
 
 
 def test_every_kind_of_discrepancy_is_reported(

@@ -58,6 +58,8 @@ def test_every_option_keeps_its_default() -> None:
         "atomic": False,
         "replay": None,
         "key_rate_limit": None,
+        "scope": None,
+        "principal": None,
         "key": None,
     }
     assert EXEMPT == ViewOptions()

@@ -69,13 +69,18 @@ key_hash_argument = click.argument(
 )
 
 
+#: How an operator names a record's namespace (docs/keys.md, "Key scopes").
+ENDPOINT_SPELLING = (
+    'as records spell it: "POST /v1/payments", "*" for an account-wide key, '
+    '"principal=<id> POST /v1/payments" for a principal\'s.'
+)
+
+
 def _key_lookup(command: t.Callable[P, None]) -> t.Callable[P, None]:
     """[KEY_HASH], --tenant and an optional --endpoint: one key's records (``show``,
     ``history``)."""
     for decorate in (
-        click.option(
-            "--endpoint", help='Only this endpoint, as records spell it: "POST /v1/payments".'
-        ),
+        click.option("--endpoint", help=f"Only this endpoint, {ENDPOINT_SPELLING}"),
         click.option("--tenant", required=True, help="The tenant the key belongs to."),
         key_hash_argument,
     ):

@@ -14,6 +14,7 @@ from ...store import operator_store, trail
 from ...store.trail import AuditEntry
 from .common import (
     _KEY_HELP,
+    ENDPOINT_SPELLING,
     _age,
     _key_lookup,
     _lease,
@@ -148,7 +149,7 @@ def _history_row(entry: AuditEntry) -> list[str]:
 @idem_group.command(epilog=_KEY_HELP)
 @key_hash_argument
 @click.option("--tenant", required=True, help="The tenant the key belongs to.")
-@click.option("--endpoint", required=True, help='As records spell it: "POST /v1/payments".')
+@click.option("--endpoint", required=True, help=f"The endpoint, {ENDPOINT_SPELLING}")
 @click.option(
     "--not-happened",
     is_flag=True,
