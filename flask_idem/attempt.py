@@ -409,6 +409,8 @@ class Attempt:
     #: (``db.session.close()``, ``remove()``, a rollback whose refusal the view caught): the
     #: view's writes are gone, so its answer must never be stored or sent.
     work_lost: bool = False
+    #: The status of the ``HTTPException`` the view raised as its answer, if it did.
+    raised_status: int | None = None
     #: The business transaction was rolled back while the attempt held the key, by the view
     #: or a hook, not by flask_idem (``idem.connection().rollback()``, a hook's
     #: ``db.session.rollback()``): what it wrote before is gone, so a success answer does not
@@ -472,10 +474,20 @@ class Attempt:
         """``idem.refuse()`` ended its view or job, which therefore did nothing."""
         return self._refusal_stands
 
-    def mark_answered(self) -> None:
-        """The view returned, or raised an ``HTTPException``."""
+    def mark_answered(self, raised: int | None = None) -> None:
+        """The view returned, or raised an ``HTTPException`` with status ``raised``."""
         if self.phase is Phase.RUNNING:
             self._move(Phase.ANSWERED)
+            self.raised_status = raised
+
+    def mark_rendered(self, status: int) -> None:
+        """The answer that goes out has ``status``. An error handler that turned the view's
+        raised ``HTTPException`` (a 400 of ``request.get_json()``) into a server error
+        (``errorhandler(Exception)`` answering 500) answered a failure, not the view: a crash,
+        never stored and replayed as if the operation had answered it."""
+        raised = self.raised_status
+        if self.phase is Phase.ANSWERED and raised is not None and raised < 500 <= status:
+            self._move(Phase.CRASHED)
 
     def mark_refused(self) -> None:
         """``idem.refuse()`` ended the view or job."""

@@ -441,8 +441,9 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
     except Refusal:
         _ended(Attempt.mark_refused)
         raise
-    except HTTPException:
-        _ended(Attempt.mark_answered)
+    except HTTPException as exc:
+        raised = exc.code
+        _ended(lambda attempt: attempt.mark_answered(raised=raised))
         raise  # abort(404), raise Problem(...): an answer like a returned one
     except StoreUnavailable as exc:
         # idem.connection() failed in the view: a crash answered 503 here, not by whatever
@@ -490,6 +491,7 @@ def finish(attempt: Attempt, response: Response) -> Response:
     attempt.trace_completing()
     attempt.stop_watching()
     attempt.note_replaced_session()
+    attempt.mark_rendered(response.status_code)
     if attempt.work_lost:
         # The view ended its own business transaction before answering: its rows are gone,
         # so its answer (a 201, say) would be a lie, stored or not.

@@ -38,6 +38,7 @@ policy).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import typing as t
@@ -55,6 +56,7 @@ from ..core.problem import (
     KeyMissing,
     KeyUnknown,
     ParameterInvalid,
+    Problem,
     StoreUnavailableProblem,
 )
 from ..core.scopes import check_principal, endpoint_of, split
@@ -81,6 +83,7 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
 
     @blueprint.route("/requests", methods=["GET", "POST"])
     @extension.exempt
+    @_returning_problems
     def request_status() -> ResponseReturnValue:
         tenant = extension.current_tenant()
         if tenant is None:
@@ -133,6 +136,23 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
 
     operator.register(blueprint, extension)
     return blueprint
+
+
+def _returning_problems(
+    view: t.Callable[[], ResponseReturnValue],
+) -> t.Callable[[], ResponseReturnValue]:
+    """Return flask_idem's problems as the answer, never raise them through the application's
+    error handlers: an ``errorhandler(Exception)`` or ``errorhandler(HTTPException)`` would
+    answer its own 500 or JSON instead of the documented problem document."""
+
+    @functools.wraps(view)
+    def answer() -> ResponseReturnValue:
+        try:
+            return view()
+        except Problem as problem:
+            return problem.get_response()
+
+    return answer
 
 
 def _caller_principal(resolve: t.Callable[[], t.Any] | None) -> str | None:

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from werkzeug.exceptions import HTTPException
 
 from flask_idem import Idempotency
+from flask_idem.core.record import Scope, State
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store, normalize_url
 from tests.support.helpers import Counter
@@ -253,3 +254,30 @@ def test_declares_effects_still_works_and_warns(store: SQLStore) -> None:
     client = app.test_client()
     assert client.post("/busy", headers={"Idempotency-Key": "d"}).status_code == 503
     assert client.post("/busy", headers={"Idempotency-Key": "d"}).status_code == 503, "released"
+
+
+@pytest.mark.parametrize("kind", HANDLERS)
+def test_a_view_400_a_handler_turns_into_500_is_never_replayed(store: SQLStore, kind: str) -> None:
+    """``request.get_json()`` raises BadRequest on a malformed body; a handler for every
+    exception answers it with 500. That 500 is the handler's failure, not the view's answer:
+    never stored and replayed for the key's whole TTL (the key is left as after a crash)."""
+    app = flask.Flask("get-json")
+    app.config.update(PROPAGATE_EXCEPTIONS=False)
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+    api = flask.Blueprint("api", __name__)
+
+    @api.post("/orders")
+    @idem.idempotent
+    def order() -> t.Any:
+        return {"amount": flask.request.get_json()["amount"]}, 201
+
+    _own_handlers(app, api, kind)
+    app.register_blueprint(api)
+    client = app.test_client()
+    headers = {"Idempotency-Key": "bad-json", "Content-Type": "application/json"}
+    first = client.post("/orders", data=b"{not json", headers=headers)
+    assert first.status_code == 500
+    retry = client.post("/orders", data=b"{not json", headers=headers)
+    assert "Idempotent-Replayed" not in retry.headers, "the handler's 500 was replayed"
+    record = store.get(Scope("alpha", "POST /orders", "bad-json"))
+    assert record is not None and record.state is not State.COMPLETED

@@ -9,6 +9,7 @@ import typing as t
 
 import flask
 import pytest
+from werkzeug.exceptions import HTTPException
 
 from flask_idem import ConfigurationError, Idempotency, Scope, StoredResponse
 from flask_idem.store import SQLStore
@@ -218,3 +219,20 @@ def store_count(app: flask.Flask) -> int:
     store = app.extensions["idempotency"].store
     with store.engine.connect() as conn:
         return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())
+
+
+@pytest.mark.parametrize("handled", [Exception, HTTPException])
+def test_its_problems_pass_the_applications_own_error_handlers(
+    app_factory: Factory, handled: type[Exception]
+) -> None:
+    """An ``errorhandler(Exception)`` or ``errorhandler(HTTPException)`` of the application
+    never turns the endpoint's 404 or 400 into its own 500 or JSON."""
+    app, _idem, _counter = app_factory()
+    app.register_error_handler(handled, lambda error: ({"error": "internal"}, 500))
+    client = app.test_client()
+    assert_problem(_ask(client, "never-used"), 404, "idempotency-key-unknown")
+    assert_problem(
+        client.get("/idempotency/requests", headers={"X-Tenant": "alpha"}),
+        400,
+        "idempotency-key-missing",
+    )
