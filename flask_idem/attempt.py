@@ -45,6 +45,7 @@ from .core.errors import (
     StoreUnavailable,
 )
 from .core.idempotency_keys import key_hash
+from .core.key_digest import KeyDigest
 from .core.options import JobOptions, Recovery, ViewOptions
 from .core.problem import (
     InternalError,
@@ -158,9 +159,13 @@ class Failure(enum.Enum):
     WORK_LOST = "work_lost"
 
 
-def classify(record: Record, digest: bytes, recovery: Recovery) -> Found:
-    """The decision for an attempt whose claim found ``record``."""
-    if record.fingerprint != digest:
+def classify(record: Record, digest: bytes, recovery: Recovery, keys: KeyDigest) -> Found:
+    """The decision for an attempt whose claim found ``record``.
+
+    :param digest: the request's SHA-256 fingerprint; ``keys`` compares it with the stored one
+        (keyed with the secret the record's key was digested with).
+    """
+    if not keys.same_request(record, digest):
         return Found.MISMATCH
     if record.state is State.COMPLETED:
         return Found.COMPLETED
@@ -608,6 +613,7 @@ class Attempt:
             result = self.app_state.store.claim_atomic(connection, self.scope, digest, ttl=ttl)
         if result is not None and result.claimed:
             self.token, self.record = result.token, result.record
+            self.scope = result.record.scope  # with the digest its record carries
             self.reservation = result.reservation
             count_commits_from_now(self)  # a connection opened before the claim
             self._move(Phase.RUNNING)
@@ -620,6 +626,8 @@ class Attempt:
         assert self.scope is not None
         self.token = claim.token
         self.record = claim.record
+        # With the digest its record carries: every later write targets that row.
+        self.scope = claim.record.scope
         count_commits_from_now(self)  # a connection opened before the claim (a hook's)
         if claim.taken_over:
             # An earlier attempt of this operation may have had its effect: this one can never

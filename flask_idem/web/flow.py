@@ -150,7 +150,8 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
             raise KeyMissing(f"This endpoint requires an {settings.header} header.")
         return None
     assert req.url_rule is not None
-    scope = Scope(_tenant(app_state), f"{req.method} {req.url_rule.rule}", key)
+    endpoint = f"{req.method} {req.url_rule.rule}"
+    scope = app_state.store.keys.scope(_tenant(app_state), endpoint, key)
     attempt = _start(Attempt(app_state, scope, options))
     attempt.start_trace()
     if body is None:
@@ -215,7 +216,8 @@ def answer_existing(
     if record.damaged is not None:
         raise unreadable_problem(record)  # neither replayed, compared nor taken over
     assert attempt.fingerprint is not None
-    found = classify(record, attempt.fingerprint, options.recovery)
+    keys = attempt.app_state.store.keys
+    found = classify(record, attempt.fingerprint, options.recovery, keys)
     if found is Found.COMPLETED:
         if record.unreadable is not None:
             raise unreadable_problem(record)  # never a replay of garbage, never a re-run
