@@ -226,7 +226,7 @@ _LOCK_KEYS = sa.text(
     "SELECT DISTINCT hashtext(:t || chr(31) || :e || chr(31) || k) AS h "
     "FROM unnest(CAST(:k AS text[])) AS f(k) ORDER BY h"
 )
-_LOCK = sa.text("SELECT pg_advisory_xact_lock(hashtext('flask_idem'), :h) IS NULL")
+_LOCK = sa.text("SELECT pg_advisory_xact_lock(hashtext('flask_idem'), :h)::text")
 _TRY_LOCK = sa.text("SELECT pg_try_advisory_xact_lock(hashtext('flask_idem'), :h)")
 
 
@@ -374,7 +374,8 @@ class PostgresStore(SQLStore):
         locks = conn.execute(_LOCK_KEYS, {"t": scope.tenant, "e": scope.endpoint, "k": list(forms)})
         lock = _LOCK if wait else _TRY_LOCK
         for (lock_key,) in locks.all():
-            if conn.execute(lock, {"h": lock_key}).scalar_one() is False:
+            taken = conn.execute(lock, {"h": lock_key}).scalar_one()
+            if not wait and not taken:
                 raise _Busy
         statement = (
             sa.select(*self._returning())

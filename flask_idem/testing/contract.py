@@ -47,9 +47,7 @@ def _seconds(n: float) -> dt.timedelta:
 def _stored(store: RequestStore, scopes: t.Iterable[Scope]) -> list[tuple[str, str, str]]:
     """Scopes as the store keeps them: records read from the table carry the key's digest
     (:mod:`flask_idem.core.key_digest`), never the raw key."""
-    return [
-        (s.tenant, s.endpoint, s.digest or store.keys.stored(s.tenant, s.key)) for s in scopes
-    ]
+    return [(s.tenant, s.endpoint, s.digest or store.keys.stored(s.tenant, s.key)) for s in scopes]
 
 
 class _Contract:
