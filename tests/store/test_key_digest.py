@@ -205,7 +205,8 @@ def test_upgrade_from_0010_digests_live_rows_and_their_retries_still_replay(
 ) -> None:
     """Rows written under revision 0010 (raw keys) are digested by 0011: a retry after the
     deploy replays the stored answer of a request made before it, a request still in progress
-    keeps its key, no raw key is left, and the downgrade refuses while digested rows live."""
+    keeps its key, no raw key is left, a worker still sending raw keys is refused (PostgreSQL),
+    and the downgrade refuses while digested rows live."""
     store = create_store(url_at_0010)
     try:
         done, running = Scope("t", "POST /p", "before-done"), Scope("t", "POST /p", "before-run")
@@ -216,6 +217,12 @@ def test_upgrade_from_0010_digests_live_rows_and_their_retries_still_replay(
         assert store.complete(as_0010, token, RESPONSE)
         _claim_as_0010(store, running)
         upgrade(url_at_0010, "0011")
+        if store.dialect == "postgresql":
+            # A worker of revision 0010 still running claims with the raw key: refused, never
+            # a second record beside the digested one.
+            for raw in (done, Scope("t", "POST /p", "new-on-an-old-worker")):
+                with pytest.raises(sa.exc.DBAPIError, match="stored as digests"):
+                    _claim_as_0010(store, raw)
         dump = repr(_rows(store))
         assert "before-done" not in dump and "before-run" not in dump
         replay = store.claim(done, FP, ttl=600, lease=30)
