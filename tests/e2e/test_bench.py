@@ -206,7 +206,8 @@ def test_partitioned_layer_409_in_flight_and_releases_only_its_own_claim(bench_u
             conn.exec_driver_sql(
                 "INSERT INTO idempotency_keys (tenant, endpoint, key, fingerprint, state,"
                 " created_at, completed_at, expires_at) VALUES ('bench', 'POST /payments',"
-                f" '{unkeyed('bench', 'pt-fails')}', '\\x00', 'completed', now() - interval '3 days',"
+                f" '{unkeyed('bench', 'pt-fails')}', '\\x00', 'completed',"
+                " now() - interval '3 days',"
                 " now() - interval '3 days', now() - interval '2 days')"
             )
         headers = {"Idempotency-Key": "pt-running"}
