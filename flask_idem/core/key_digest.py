@@ -151,8 +151,11 @@ class KeyDigest:
     def same_request(self, record: Record, digest: bytes) -> bool:
         """Whether ``record`` was stored for a request fingerprinted ``digest``, keyed with the
         secret its key was digested with (a record from before a rotation still matches)."""
-        secret_id = id_of(record.scope.digest or record.scope.key) or self.current.id
-        if self._entry(secret_id) is None and secret_id != UNKEYED:
+        secret_id = id_of(record.scope.digest or record.scope.key)
+        if secret_id is None:
+            # A store that keeps keys and fingerprints as it is given them (a custom store).
+            return hmac.compare_digest(record.fingerprint, digest)
+        if self._entry(secret_id) is None:
             return False
         return hmac.compare_digest(record.fingerprint, self.fingerprint(digest, secret_id))
 

@@ -50,6 +50,8 @@ def test_a_record_is_compared_under_the_secret_its_key_was_digested_with() -> No
     assert not rotated.same_request(record, hashlib.sha256(b"other").digest())
     forgotten = KeyDigest.from_secrets(parse_secrets(f"new:{S2}"))
     assert not forgotten.same_request(record, FP), "an unlisted secret matches nothing"
+    custom = _record(Scope("t", "POST /p", "k"), FP)  # a store that digests nothing
+    assert rotated.same_request(custom, FP) and not rotated.same_request(custom, FP[::-1])
     migrated = _record(Scope("t", "POST /p", "k", digest=unkeyed("t", "k")), FP)
     assert KeyDigest.from_secrets(parse_secrets(f"new:{S2},sha256")).same_request(migrated, FP)
 
