@@ -73,7 +73,15 @@ import typing as t
 import sqlalchemy as sa
 
 from ..core.errors import ConfigurationError, StoreUnavailable
-from ..core.record import Archive, ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
+from ..core.record import (
+    Archive,
+    ClaimResult,
+    MaintenanceReport,
+    Record,
+    Scope,
+    State,
+    StoredResponse,
+)
 from . import commit_count, engines, fast_path
 from .sql import (
     AUDIT_COLUMNS,
@@ -377,17 +385,26 @@ class PostgresStore(SQLStore):
             taken = conn.execute(lock, {"h": lock_key}).scalar_one()
             if not wait and not taken:
                 raise _Busy
+        return self._live_among(conn, scope, forms[1:])
+
+    def _live_among(
+        self, conn: sa.Connection, scope: Scope, forms: t.Sequence[str], *, completed: bool = False
+    ) -> ClaimResult | None:
+        """The newest live record of ``scope`` under one of ``forms`` of its key, found (not
+        claimed); only a completed one with ``completed``."""
         statement = (
             sa.select(*self._returning())
             .where(
                 table.c.tenant == scope.tenant,
                 table.c.endpoint == scope.endpoint,
-                table.c.key.in_(forms[1:]),
+                table.c.key.in_(forms),
                 self._alive(),
             )
             .order_by(table.c.created_at.desc())
             .limit(1)
         )
+        if completed:
+            statement = statement.where(table.c.state == State.COMPLETED.value)
         row = conn.execute(statement).first()
         if row is None:
             return None
@@ -464,7 +481,9 @@ class PostgresStore(SQLStore):
                 try:
                     found = self._previous(connection, scope, wait=False)
                 except _Busy:
-                    return None
+                    # As _FIND_COMPLETED, under every form: a completed record is final.
+                    forms = self.keys.candidates(scope.tenant, scope.key)
+                    return self._live_among(connection, scope, forms, completed=True)
                 if found is not None:
                     return found
             values = self._atomic_row(connection, statement, parameters)

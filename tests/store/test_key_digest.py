@@ -141,7 +141,7 @@ def test_an_atomic_claim_in_a_rotation_finds_the_previous_record(
     pg_store: SQLStore, scope: Scope
 ) -> None:
     """The atomic claim looks the previous digests up under their locks too, inside the
-    business transaction."""
+    business transaction; held locks mean busy, unless the record is completed (replayed)."""
     old, new = _keyed(pg_store, f"old:{OLD}"), _keyed(pg_store, f"new:{NEW},old:{OLD}")
     phase_one = _keyed(pg_store, f"old:{OLD},new:{NEW}")
     try:
@@ -149,7 +149,13 @@ def test_an_atomic_claim_in_a_rotation_finds_the_previous_record(
         assert old.complete(scope, token, RESPONSE)
         with new.engine.connect() as conn, conn.begin():
             found = new.claim_atomic(conn, scope, FP, ttl=600)
-        assert found is not None and not found.claimed and found.record.response == RESPONSE
+            assert found is not None and not found.claimed
+            assert found.record.response == RESPONSE
+            with phase_one.engine.connect() as other, other.begin():
+                # The key's locks are held by ``conn``: its completed record replays anyway.
+                busy = phase_one.claim_atomic(other, scope, FP, ttl=600)
+                assert busy is not None and not busy.claimed
+                assert busy.record.response == RESPONSE
         fresh = Scope(scope.tenant, scope.endpoint, scope.key + "-atomic")
         with new.engine.connect() as conn:
             conn.begin()
@@ -223,6 +229,13 @@ def test_upgrade_from_0010_digests_live_rows_and_their_retries_still_replay(
             for raw in (done, Scope("t", "POST /p", "new-on-an-old-worker")):
                 with pytest.raises(sa.exc.DBAPIError, match="stored as digests"):
                     _claim_as_0010(store, raw)
+            for function in ("idempotency_claim_reserve", "idempotency_claim_atomic"):
+                with pytest.raises(sa.exc.DBAPIError, match="stored as digests"):
+                    with store.engine.begin() as conn:
+                        conn.execute(
+                            sa.text(f"SELECT * FROM {function}('t', 'e', 'raw', :fp, 'x', 60, 0)"),
+                            {"fp": FP},
+                        )
         dump = repr(_rows(store))
         assert "before-done" not in dump and "before-run" not in dump
         replay = store.claim(done, FP, ttl=600, lease=30)
