@@ -31,6 +31,7 @@ from flask import Flask, Response, current_app, g, jsonify, request
 from flask.typing import ResponseReturnValue
 
 from flask_idem import Idempotency
+from flask_idem.core.key_digest import unkeyed
 
 TENANT = "bench"
 PAYMENT_PATH = "/payments"
@@ -256,7 +257,8 @@ class _PartitionedSchema:
         return {
             "tenant": TENANT,
             "endpoint": f"POST {PAYMENT_PATH}",
-            "key": key,
+            # As flask_idem stores it (revision 0011): its claim functions refuse raw keys.
+            "key": unkeyed(TENANT, key),
             "fingerprint": digest,
             "token": secrets.token_hex(16),
         }

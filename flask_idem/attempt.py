@@ -46,6 +46,7 @@ from .core.errors import (
     StoreUnavailable,
 )
 from .core.idempotency_keys import key_hash
+from .core.key_digest import KeyDigest
 from .core.options import JobOptions, Recovery, ViewOptions
 from .core.problem import (
     InternalError,
@@ -178,12 +179,18 @@ class Failure(enum.Enum):
     STORE_FAILED_UNKNOWN = "store_failed_unknown"
 
 
-def classify(record: Record, digest: bytes, recovery: Recovery) -> Found:
-    """The decision for an attempt whose claim found ``record``."""
+def classify(record: Record, digest: bytes, recovery: Recovery, keys: KeyDigest) -> Found:
+    """The decision for an attempt whose claim found ``record``.
+
+    :param digest: the request's SHA-256 fingerprint; ``keys`` compares it with the stored one
+        (keyed with the secret the record's key was digested with).
+    """
     if record.damaged is not None:
         return Found.DAMAGED
-    if record.fingerprint != digest:
-        return Found.ELSEWHERE if used_elsewhere(record, digest) else Found.MISMATCH
+    if not keys.same_request(record, digest):
+        stored = keys.as_stored(record, digest)
+        elsewhere = stored is not None and used_elsewhere(record, stored)
+        return Found.ELSEWHERE if elsewhere else Found.MISMATCH
     if record.state is State.COMPLETED:
         return Found.UNREADABLE if record.unreadable is not None else Found.COMPLETED
     if record.state is State.UNSTORED:
@@ -757,6 +764,7 @@ class Attempt:
             result = self.app_state.store.claim_atomic(connection, self.scope, digest, ttl=ttl)
         if result is not None and result.claimed:
             self.token, self.record = result.token, result.record
+            self.scope = result.record.scope  # with the digest its record carries
             self.reservation = result.reservation
             count_commits_from_now(self)  # a connection opened before the claim
             self._move(Phase.RUNNING)
@@ -769,6 +777,8 @@ class Attempt:
         assert self.scope is not None
         self.token = claim.token
         self.record = claim.record
+        # With the digest its record carries: every later write targets that row.
+        self.scope = claim.record.scope
         count_commits_from_now(self)  # a connection opened before the claim (a hook's)
         if claim.taken_over:
             # An earlier attempt of this operation may have had its effect: this one can never

@@ -65,7 +65,7 @@ from .core.errors import (
 from .core.fingerprint import fingerprint as canonical_fingerprint
 from .core.idempotency_keys import check_key, key_hash
 from .core.options import JobArgument, JobOptions
-from .core.record import Record, Scope, StoredResponse
+from .core.record import Record, StoredResponse
 from .state import AppState
 from .store.sql import translate_errors
 
@@ -116,7 +116,9 @@ def _run(
     if not app_state.settings.enabled:
         return _unprotected(app_state, function, call)
     _refuse_a_shared_session(app_state, options)
-    scope = Scope(_tenant(options, call), options.endpoint, _key(options, call))
+    scope = app_state.store.keys.scope(
+        _tenant(options, call), options.endpoint, _key(options, call)
+    )
     with _attached(Attempt(app_state, scope, options)) as attempt:
         attempt.start_trace()
         try:
@@ -191,7 +193,7 @@ def _claim(attempt: Attempt, options: JobOptions, digest: bytes) -> Record | Non
         record = attempt.claim(digest, ttl=attempt.ttl, lease=lease)
         if record is None:
             return None
-        found = classify(record, digest, options.recovery)
+        found = classify(record, digest, options.recovery, attempt.app_state.store.keys)
         if found is Found.COMPLETED:
             return record
         if found is Found.RERUN and attempt.take_over(record, lease):

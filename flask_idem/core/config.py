@@ -18,6 +18,7 @@ import urllib.parse
 import sqlalchemy as sa
 
 from .errors import ConfigurationError
+from .key_digest import KeySecret, parse_secrets
 from .record import UNREPLAYABLE_HEADERS, Archive
 from .scopes import SCOPES, ScopeName
 from .sealing import DEFAULT_COMPRESS_MIN, EncryptionKey, parse_keys
@@ -211,6 +212,10 @@ def rate_limit(name: str, raw: t.Any) -> str | None:
     return raw
 
 
+def _key_secrets(name: str, raw: t.Any) -> tuple[KeySecret, ...]:
+    return parse_secrets(raw, name)  # never echoes a secret in its errors
+
+
 def _unchecked(name: str, raw: t.Any) -> t.Any:
     """Taken as it is, checked with the keys it depends on (:meth:`Settings.__post_init__`)."""
     return raw
@@ -288,6 +293,9 @@ class Settings:
         Switchable(Number(0, 64 * 1024 * 1024, integer=True), off=(None, False, "")),
     )
     require_encrypted: bool = setting(False, _flag)
+    #: The first secret digests stored keys and keys fingerprints (HMAC-SHA256), all of them
+    #: are looked up; none: unkeyed SHA-256 (``repr`` shows ids only).
+    key_secrets: tuple[KeySecret, ...] = setting((), _key_secrets)
     #: Every state transition appends a row to ``idempotency_audit``.
     audit: bool = setting(False, _flag)
     #: Seconds audit rows are kept; None: for ever.

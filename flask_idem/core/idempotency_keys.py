@@ -12,6 +12,7 @@ import uuid
 
 from werkzeug.datastructures import EnvironHeaders
 
+from .key_digest import stored_of
 from .record import Record, Scope
 
 #: A valid key: 1 to 255 characters that survive headers, logs and URLs unescaped.
@@ -107,8 +108,13 @@ def read_key(headers: t.Any, names: t.Sequence[str]) -> str | None:
 
 
 def key_hash(scope: Scope) -> str:
-    """A short, stable digest of a scope for logs and signals, never the raw key."""
-    material = "\x1f".join((scope.tenant, scope.endpoint, scope.key)).encode()
+    """A short, stable digest of a scope for logs and signals, never the raw key.
+
+    Made from the key as stored (its digest, see :mod:`flask_idem.core.key_digest`), so that
+    the database computes the same value from a row (``flask idem show --key-hash``) and
+    nothing needs the raw key or the secret.
+    """
+    material = "\x1f".join((scope.tenant, scope.endpoint, stored_of(scope))).encode()
     return hashlib.sha256(material).hexdigest()[:16]
 
 
@@ -119,11 +125,15 @@ def derive_key(record: Record, step: str) -> str:
     the same key for ``step``, so a payment provider that deduplicates on it charges once.
     Different steps, tenants, endpoints, keys, and a key reused after it expired (a new
     record, so a new ``created_at``) never share a downstream key.
+
+    Derived from the key as its record stores it (its digest), not from the raw key: a
+    reconciler or the next-day check, which read records from the table, derive the same keys
+    as the request did.
     """
     scope = record.scope
     # In UTC: database sessions in other time zones must derive the same key.
     created = record.created_at.astimezone(dt.timezone.utc).isoformat()
-    parts = (scope.tenant, scope.endpoint, scope.key, created, step)
+    parts = (scope.tenant, scope.endpoint, stored_of(scope), created, step)
     material = "".join(f"{len(part)}:{part}" for part in parts)
     return str(uuid.uuid5(_DOWNSTREAM_NAMESPACE, material))
 

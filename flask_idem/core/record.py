@@ -33,13 +33,21 @@ class State(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Scope:
-    """The namespace of one idempotency key: a key means something only inside it."""
+    """The namespace of one idempotency key: a key means something only inside it.
+
+    ``key`` is the key a client sent, or, for a record read from the table without one, its
+    stored digest (``$...``, see :mod:`flask_idem.core.key_digest`).
+    """
 
     tenant: str
     #: ``POST /v1/payments``, ``JOB <name>``, or what a scope option makes of it (``*`` for an
     #: account-wide key, ``principal=<id> ...``: see :mod:`flask_idem.core.scopes`).
     endpoint: str
     key: str
+    #: The key as its record stores it, when known: set by the store on the records it
+    #: returns (the digest the row carries) and on a request's scope (the current digest).
+    #: Not part of the identity: one key keeps its scope across a rotation.
+    digest: str | None = dataclasses.field(default=None, compare=False)
 
 
 #: The statuses a completion stores and a replay sends: final answers only. An interim 1xx

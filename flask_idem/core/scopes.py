@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import typing as t
 
+from .key_digest import HEAD_SIZE, KeyDigest
 from .record import Record
 
 ScopeName = t.Literal["endpoint", "account"]
@@ -39,7 +40,8 @@ MAX_PRINCIPAL = 128
 MAX_NAMESPACE = 255
 #: Bytes of an account-wide fingerprint that name the endpoint; the rest is the request's
 #: fingerprint, truncated (192 bits still tell any two requests apart).
-TAG_SIZE = 8
+#: The tag's length: the head a keyed fingerprint keys on its own (see ``key_digest``).
+TAG_SIZE = HEAD_SIZE
 _FINGERPRINT_SIZE = 32
 
 
@@ -110,16 +112,21 @@ def account_fingerprint(endpoint: str, digest: bytes) -> bytes:
 
 def used_elsewhere(record: Record, digest: bytes) -> bool:
     """Whether an account-wide ``record`` was claimed on another endpoint than the request
-    whose fingerprint is ``digest``."""
+    whose fingerprint, as the record stores it (:meth:`.KeyDigest.as_stored`), is ``digest``."""
     return is_account(record.scope.endpoint) and record.fingerprint[:TAG_SIZE] != digest[:TAG_SIZE]
 
 
-def endpoint_of(record: Record, endpoints: t.Iterable[str]) -> str:
+def endpoint_of(record: Record, endpoints: t.Iterable[str], keys: KeyDigest) -> str:
     """The endpoint a record was claimed on, as records of the endpoint scope spell it
     (``POST /v1/payments``), principal left out; for an account-wide record, the one of
-    ``endpoints`` whose tag its fingerprint carries, or :data:`ACCOUNT` when none does."""
+    ``endpoints`` whose tag its fingerprint carries (keyed as ``keys`` keyed it), or
+    :data:`ACCOUNT` when none does."""
     name = split(record.scope.endpoint)[1]
     if name != ACCOUNT:
         return name
     tag = record.fingerprint[:TAG_SIZE]
-    return next((endpoint for endpoint in endpoints if endpoint_tag(endpoint) == tag), ACCOUNT)
+    for endpoint in endpoints:
+        stored = keys.as_stored(record, account_fingerprint(endpoint, bytes(_FINGERPRINT_SIZE)))
+        if stored is not None and stored[:TAG_SIZE] == tag:
+            return endpoint
+    return ACCOUNT

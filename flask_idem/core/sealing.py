@@ -47,6 +47,7 @@ import typing as t
 import zlib
 
 from .errors import ConfigurationError, UnreadableResponse
+from .key_digest import is_stored, stored_of
 from .record import STORABLE_STATUSES, Scope, StoredResponse
 
 if t.TYPE_CHECKING:
@@ -180,9 +181,17 @@ def _cipher_class() -> t.Any:
     return AESGCM
 
 
-def _associated_data(header: bytes, scope: Scope, created_at: dt.datetime, status: int) -> bytes:
+def _associated_data(
+    header: bytes, scope: Scope, created_at: dt.datetime, status: int, key: str | None = None
+) -> bytes:
+    """What a ciphertext is bound to: its record (the key as stored, see
+    :func:`~flask_idem.core.key_digest.stored_of`), its ``created_at`` and its status.
+
+    :param key: the key to bind instead (the raw key, for envelopes sealed before 0011).
+    """
     created = created_at.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    parts = (scope.tenant, scope.endpoint, scope.key, created, str(status))
+    key = stored_of(scope) if key is None else key
+    parts = (scope.tenant, scope.endpoint, key, created, str(status))
     # Length-prefixed, so that no two different tuples give the same bytes.
     material = b"".join(b"%d:%s" % (len(p.encode()), p.encode()) for p in parts)
     return header + _AAD_CONTEXT + material
@@ -312,17 +321,20 @@ class Sealer:
         from cryptography.exceptions import InvalidTag
 
         nonce, ciphertext = sealed[:NONCE_SIZE], sealed[NONCE_SIZE:]
-        try:
-            return bytes(
-                cipher.decrypt(
-                    nonce, ciphertext, _associated_data(header, scope, created_at, status)
-                )
-            )
-        except InvalidTag:
-            raise UnreadableResponse(
-                f"does not authenticate with key {key_id!r} (wrong key material, altered, or "
-                "copied from another record)"
-            ) from None
+        bound = [_associated_data(header, scope, created_at, status)]
+        if not is_stored(scope.key):
+            # Sealed before revision 0011 digested keys: bound to the raw key, which a retry
+            # still carries.
+            bound.append(_associated_data(header, scope, created_at, status, scope.key))
+        for aad in bound:
+            try:
+                return bytes(cipher.decrypt(nonce, ciphertext, aad))
+            except InvalidTag:
+                pass
+        raise UnreadableResponse(
+            f"does not authenticate with key {key_id!r} (wrong key material, altered, or "
+            "copied from another record)"
+        )
 
 
 def _header(flags: int, key_id: bytes) -> bytes:

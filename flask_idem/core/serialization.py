@@ -109,7 +109,7 @@ def request_schema(*, bodies: bool, many: bool = False) -> RequestSchema:
 
 
 def record_schema(*, bodies: bool, keys: bool, many: bool = False) -> RecordSchema:
-    """The operator's view, with the stored body only when ``bodies`` and raw keys only when
-    ``keys``."""
+    """The operator's view, with the stored body only when ``bodies`` and keys as stored
+    (digests, see :mod:`flask_idem.core.key_digest`) only when ``keys``."""
     excluded = (() if bodies else BODY_FIELDS) + (() if keys else KEY_FIELDS)
     return RecordSchema(many=many, exclude=excluded)

@@ -121,12 +121,12 @@ def audit(start: dt.datetime, end: dt.datetime, *, margin: float = 3600) -> Audi
         for record in store.created_between(start - wide, end + wide, endpoints=[*targets, ACCOUNT])
         # Of a principal, or account-wide: the endpoint it ran on (an account-wide record of
         # an endpoint without a lookup is not this check's).
-        if endpoint_of(record, targets) in targets
+        if endpoint_of(record, targets, state.store.keys) in targets
     ]
     # One service may serve several endpoints: ask it once, match against all of them.
     by_lookup: dict[Lookup, dict[tuple[str, str], Record]] = {}
     for record in records:
-        target = targets[endpoint_of(record, targets)]
+        target = targets[endpoint_of(record, targets, state.store.keys)]
         keys = by_lookup.setdefault(target.lookup, {})
         keys[(record.scope.tenant, derive_key(record, target.step))] = record
     for target in targets.values():

@@ -138,7 +138,9 @@ def reconcile(records: t.Iterable[Record]) -> t.Iterator[Settlement]:
     reconcilers = resolve_targets(current_app, state.extension.reconcilers, state.settings.methods)
     for record in records:
         # A per-principal or account-wide record is reconciled by its endpoint's reconciler.
-        yield _settle(state, record, reconcilers.get(endpoint_of(record, reconcilers)))
+        yield _settle(
+            state, record, reconcilers.get(endpoint_of(record, reconcilers, state.store.keys))
+        )
 
 
 def resolve_targets(

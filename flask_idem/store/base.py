@@ -29,6 +29,7 @@ import typing as t
 import sqlalchemy as sa
 
 from ..core.errors import ConfigurationError
+from ..core.key_digest import KeyDigest
 from ..core.record import (
     Archive,
     ClaimResult,
@@ -58,6 +59,9 @@ class RequestStore(abc.ABC):
         #: Compresses and encrypts snapshots on the way in, opens them on the way out.
         self.sealer = Sealer()
         self._sealer_configured = False
+        #: What stored keys and fingerprints are made of (``IDEMPOTENCY_KEY_SECRETS``).
+        self.keys = KeyDigest()
+        self._keys_configured = False
         #: Whether every state transition appends a row to the audit trail.
         self.audit = False
         #: Seconds audit rows are kept (None: forever); enforced by :meth:`maintain`.
@@ -131,9 +135,28 @@ class RequestStore(abc.ABC):
         self.sealer = sealer
         self._sealer_configured = True
 
+    def use_keys(self, keys: KeyDigest) -> None:
+        """Digest keys and fingerprints as an application's settings say (``init_app`` calls
+        this).
+
+        :raises ConfigurationError: the store already serves an application with other
+            secrets (one record would be digested two ways: two claims of one key).
+        """
+        if self._keys_configured and keys != self.keys:
+            raise ConfigurationError(
+                "this store already serves an application with other IDEMPOTENCY_KEY_SECRETS; "
+                "give each application its own store"
+            )
+        self.keys = keys
+        self._keys_configured = True
+
     @abc.abstractmethod
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         """Take the key for the caller, or return the live record that already holds it.
+
+        ``fingerprint`` is the request's SHA-256 fingerprint; a SQL store keeps it keyed with
+        :attr:`keys` (:meth:`~flask_idem.core.key_digest.KeyDigest.fingerprint`) and its key
+        as a digest, and the records it returns carry the digest (``scope.digest``).
 
         :param ttl: seconds the record (and so the key) stays live.
         :param lease: seconds before an owner that stopped renewing counts as gone.

@@ -44,21 +44,21 @@ _ARGUMENTS = "text,text,text,bytea,text,double precision,double precision"
 
 #: Every function ``alembic upgrade head`` installs, and nothing else.
 EXPECTED_FUNCTIONS: tuple[ExpectedFunction, ...] = (
-    # The durable claim (revision 0010).
+    # The durable claim (revision 0010, refusing raw keys from 0011).
     ExpectedFunction(
         f"idempotency_claim({_ARGUMENTS})",
-        "cdcdbe682726cc0a962afdd3e1f98cd12c4a0ba55a6a41dafb2eb2f5f3a6454b",
+        "22432f7307838571b7c4f26d50b2f2ec8b2829c5bf78e32ab46c80cd0988f299",
     ),
-    # The atomic claim (revision 0009).
+    # The atomic claim (revision 0009, refusing raw keys from 0011).
     ExpectedFunction(
         f"idempotency_claim_reserve({_ARGUMENTS})",
-        "d38cf5825002c97c2cc981d1100d42e690529fc43c3c9a61a940e8568ae83c18",
+        "0dcf0620cfe9031afdc7071493dedbf20fd062698e5b6fc6b728263ccd9f6493",
     ),
     # Not called by this release: kept so that a worker of a release before 0007 still claims
-    # atomically during a rolling deploy (revision 0006).
+    # atomically during a rolling deploy (revision 0006, refusing raw keys from 0011).
     ExpectedFunction(
         f"idempotency_claim_atomic({_ARGUMENTS})",
-        "cd8bdad55b6c42ebbccd7f6e61a1b80d083dc0201e88e872d7fa4b27a6e417e5",
+        "8cd32c562fb7fc620c0763d9e99d582be5b043d55df377ca339e8851b43ff3b1",
     ),
     # Partition upkeep of the keys (revisions 0003 and 0002) and of the audit trail (0005).
     ExpectedFunction(

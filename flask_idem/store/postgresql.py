@@ -73,7 +73,15 @@ import typing as t
 import sqlalchemy as sa
 
 from ..core.errors import ConfigurationError, StoreUnavailable
-from ..core.record import Archive, ClaimResult, MaintenanceReport, Record, Scope, StoredResponse
+from ..core.record import (
+    Archive,
+    ClaimResult,
+    MaintenanceReport,
+    Record,
+    Scope,
+    State,
+    StoredResponse,
+)
 from . import commit_count, engines, fast_path
 from .sql import (
     AUDIT_COLUMNS,
@@ -83,6 +91,7 @@ from .sql import (
     SQLStore,
     build_record,
     new_token,
+    record_from_row,
     translate_errors,
 )
 from .table import DEFAULT_PARTITION
@@ -219,6 +228,20 @@ PURGE_BATCH = 5000
 MAINTENANCE_LOCK_TIMEOUT = "200ms"
 
 
+# The claim function's lock keys for each stored form of a key, in the order every rotating
+# claim takes them (so two never wait for each other in a cycle).
+_LOCK_KEYS = sa.text(
+    "SELECT DISTINCT hashtext(:t || chr(31) || :e || chr(31) || k) AS h "
+    "FROM unnest(CAST(:k AS text[])) AS f(k) ORDER BY h"
+)
+_LOCK = sa.text("SELECT pg_advisory_xact_lock(hashtext('flask_idem'), :h)::text")
+_TRY_LOCK = sa.text("SELECT pg_try_advisory_xact_lock(hashtext('flask_idem'), :h)")
+
+
+class _Busy(Exception):
+    """An atomic claim found one of its key's locks held."""
+
+
 _first_row = operator.methodcaller("fetchone")
 _row_count = operator.attrgetter("rowcount")
 
@@ -240,10 +263,13 @@ def _isolation_explained() -> t.Iterator[None]:
 def _claim_parameters(
     scope: Scope, fingerprint: bytes, ttl: float, lease: float
 ) -> dict[str, t.Any]:
+    """The claim function's arguments: ``scope`` carries the current digest of its key, and
+    ``fingerprint`` is keyed (:meth:`PostgresStore._claimed`)."""
+    assert scope.digest is not None
     return {
         "tenant": scope.tenant,
         "endpoint": scope.endpoint,
-        "key": scope.key,
+        "key": scope.digest,
         "fingerprint": fingerprint,
         "token": new_token(),
         "ttl": float(ttl),
@@ -311,19 +337,78 @@ class PostgresStore(SQLStore):
                 ) from exc
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
+        scope, fingerprint = self._claimed(scope, fingerprint)
         parameters = _claim_parameters(scope, fingerprint, ttl, lease)
         statement = _CLAIM
         if self.audit:
             statement = _CLAIM_AUDITED
             parameters.update(self._audit_values(scope, "claimed"))
         with _isolation_explained(), translate_errors(), engines.OneDeadline():
-            if self._fast():
+            if self.keys.rotating:
+                # One transaction: the locks of every stored form, then the claim.
+                with commit_count.store_own(), self.engine.begin() as conn:
+                    found = self._previous(conn, scope, wait=True)
+                    if found is not None:
+                        return found
+                    values = tuple(conn.exec_driver_sql(statement, parameters).one())
+            elif self._fast():
                 values = self._claim_row(statement, parameters)
             else:
                 with self.connect() as conn:
                     values = tuple(conn.exec_driver_sql(statement, parameters).one())
         claimed, *columns = values
         return ClaimResult(build_record(scope, self.sealer, *columns), claimed=bool(claimed))
+
+    def _claimed(self, scope: Scope, fingerprint: bytes) -> tuple[Scope, bytes]:
+        """The scope with its key's current digest, and the fingerprint keyed, as a claim
+        writes them."""
+        stored = self.keys.stored(scope.tenant, scope.key)
+        return dataclasses.replace(scope, digest=stored), self.keys.fingerprint(fingerprint)
+
+    def _previous(self, conn: sa.Connection, scope: Scope, *, wait: bool) -> ClaimResult | None:
+        """During a rotation: lock every stored form of the key, then find a live record
+        under a form other than the current one (the claim function then looks up and
+        inserts the current one under the same locks, in the same transaction).
+
+        The locks are the claim function's own (the same two keys), taken in one order (by
+        lock key) by every claim, so that a claim under any listed secret waits for this one
+        and finds what it wrote. Plain PostgreSQL only: on Citus the function locks on the
+        tenant's worker (docs/encryption.md).
+
+        :param wait: False (an atomic claim): try the locks; a held one raises
+            :class:`_Busy`.
+        """
+        forms = self.keys.candidates(scope.tenant, scope.key)
+        locks = conn.execute(_LOCK_KEYS, {"t": scope.tenant, "e": scope.endpoint, "k": list(forms)})
+        lock = _LOCK if wait else _TRY_LOCK
+        for (lock_key,) in locks.all():
+            taken = conn.execute(lock, {"h": lock_key}).scalar_one()
+            if not wait and not taken:
+                raise _Busy
+        return self._live_among(conn, scope, forms[1:])
+
+    def _live_among(
+        self, conn: sa.Connection, scope: Scope, forms: t.Sequence[str], *, completed: bool = False
+    ) -> ClaimResult | None:
+        """The newest live record of ``scope`` under one of ``forms`` of its key, found (not
+        claimed); only a completed one with ``completed``."""
+        statement = (
+            sa.select(*self._returning())
+            .where(
+                table.c.tenant == scope.tenant,
+                table.c.endpoint == scope.endpoint,
+                table.c.key.in_(forms),
+                self._alive(),
+            )
+            .order_by(table.c.created_at.desc())
+            .limit(1)
+        )
+        if completed:
+            statement = statement.where(table.c.state == State.COMPLETED.value)
+        row = conn.execute(statement).first()
+        if row is None:
+            return None
+        return ClaimResult(record_from_row(scope, row, self.sealer), claimed=False)
 
     def _claim_row(self, statement: str, parameters: dict[str, t.Any]) -> tuple[t.Any, ...]:
         """The claim's row, through the driver's cursor (:func:`.fast_path.on_cursor`)."""
@@ -384,6 +469,7 @@ class PostgresStore(SQLStore):
                 "an atomic view needs a real transaction: the business connection is in "
                 "autocommit (IDEMPOTENCY_ENGINE with isolation_level='AUTOCOMMIT'?)"
             )
+        scope, fingerprint = self._claimed(scope, fingerprint)
         parameters = _claim_parameters(scope, fingerprint, ttl, lease=0)
         statement = _CLAIM_ATOMIC
         if self.audit:
@@ -391,6 +477,15 @@ class PostgresStore(SQLStore):
             statement = _CLAIM_ATOMIC_AUDITED
             parameters.update(self._audit_values(scope, "claimed"))
         with _isolation_explained(), translate_errors():
+            if self.keys.rotating:
+                try:
+                    found = self._previous(connection, scope, wait=False)
+                except _Busy:
+                    # As _FIND_COMPLETED, under every form: a completed record is final.
+                    forms = self.keys.candidates(scope.tenant, scope.key)
+                    return self._live_among(connection, scope, forms, completed=True)
+                if found is not None:
+                    return found
             values = self._atomic_row(connection, statement, parameters)
             if values is None:
                 # The scope's lock is held: a duplicate is running, or only replaying a
@@ -452,7 +547,7 @@ class PostgresStore(SQLStore):
         parameters = {
             "p_tenant": scope.tenant,
             "p_endpoint": scope.endpoint,
-            "p_key": scope.key,
+            "p_key": self._stored_key(scope),
             "p_fingerprint": record.fingerprint,
             "p_token": record.claim_token,
             "p_created_at": record.created_at,

@@ -134,7 +134,9 @@ def record_from_row(
     """
     m = row._mapping
     if scope is None:
-        scope = Scope(m["tenant"], m["endpoint"], m["key"])
+        scope = Scope(m["tenant"], m["endpoint"], m["key"], digest=m["key"])
+    elif "key" in m:
+        scope = dataclasses.replace(scope, digest=m["key"])
     now = _aware(m["db_now"]) if now is None else now
     assert now is not None
     names = ("lease_expires_at", "created_at", "completed_at", "expires_at")
@@ -238,7 +240,20 @@ class SQLStore(Store):
         return sa.type_coerce(self.now(), sa.DateTime(timezone=True)).label("db_now")
 
     def _returning(self) -> list[sa.ColumnElement[t.Any]]:
-        return [table.c[name] for name in RECORD_COLUMNS] + [self._db_now()]
+        # The key as stored: the record's scope carries it (which digest, during a rotation).
+        return [table.c[name] for name in RECORD_COLUMNS] + [self._db_now(), table.c.key]
+
+    def _stored_key(self, scope: Scope) -> str:
+        """The key of ``scope``'s record as stored: the digest the scope carries (the store
+        set it on the record the claim returned), else the current digest."""
+        if scope.digest is not None:
+            return scope.digest
+        return self.keys.candidates(scope.tenant, scope.key)[0]
+
+    def _keys_of(self, scope: Scope) -> sa.ColumnElement[bool]:
+        """Every stored form of ``scope``'s key a live record may carry (one, unless the
+        secrets are rotating)."""
+        return table.c.key.in_(self.keys.candidates(scope.tenant, scope.key))
 
     def _owned(self) -> sa.ColumnElement[bool]:
         """Every write after the claim: fenced by the token, only while in progress.
@@ -260,13 +275,12 @@ class SQLStore(Store):
             ),
         )
 
-    @staticmethod
-    def _owner(scope: Scope, token: str, created_at: dt.datetime | None) -> dict[str, t.Any]:
+    def _owner(self, scope: Scope, token: str, created_at: dt.datetime | None) -> dict[str, t.Any]:
         # Parameter names differ from column names: SQLAlchemy reserves those in UPDATE.
         return {
             "p_tenant": scope.tenant,
             "p_endpoint": scope.endpoint,
-            "p_key": scope.key,
+            "p_key": self._stored_key(scope),
             "p_token": token,
             "p_created_at": created_at,
         }
@@ -375,14 +389,14 @@ class SQLStore(Store):
         """Run ``statement`` (it returns at least :data:`AUDIT_SOURCE`) and append one audit
         row per row it returns, from the ``a_*`` parameters and those rows."""
 
-    @staticmethod
-    def _audit_values(scope: Scope, event: str) -> dict[str, t.Any]:
+    def _audit_values(self, scope: Scope, event: str) -> dict[str, t.Any]:
         actor, detail = trail.current_actor()
+        stored = self._stored_key(scope)
         return {
             "a_tenant": scope.tenant,
             "a_endpoint": scope.endpoint,
-            "a_key_hash": key_hash(scope),
-            "a_lookup": trail.lookup_digest(scope.tenant, scope.key),
+            "a_key_hash": key_hash(dataclasses.replace(scope, digest=stored)),
+            "a_lookup": trail.lookup_digest(scope.tenant, stored),
             "a_event": event,
             "a_actor": actor,
             "a_detail": detail,
@@ -517,7 +531,7 @@ class SQLStore(Store):
         return sa.and_(
             table.c.tenant == scope.tenant,
             table.c.endpoint == scope.endpoint,
-            table.c.key == scope.key,
+            self._keys_of(scope),
             self._alive(),
         )
 
@@ -535,7 +549,7 @@ class SQLStore(Store):
         )
 
     def _scoped_returning(self) -> list[sa.ColumnElement[t.Any]]:
-        return [table.c.tenant, table.c.endpoint, table.c.key, *self._returning()]
+        return [table.c.tenant, table.c.endpoint, *self._returning()]
 
     @abc.abstractmethod
     def scope_hash(self) -> sa.ColumnElement[str]:
@@ -543,7 +557,8 @@ class SQLStore(Store):
         scope), computed by the database, for lookups by key hash."""
 
     def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:
-        return self._find(tenant, table.c.key == key, endpoint)
+        # The key digested as the claim digested it: the raw key is not in the table.
+        return self._find(tenant, table.c.key.in_(self.keys.candidates(tenant, key)), endpoint)
 
     def find_hashed(self, tenant: str, key_hash: str, endpoint: str | None = None) -> list[Record]:
         # No index can serve it: every live record of the tenant is hashed (operators only).
@@ -581,7 +596,7 @@ class SQLStore(Store):
         columns = [
             sa.null().label(name) if name.startswith("response_") else column
             for name, column in zip(
-                ("tenant", "endpoint", "key", *RECORD_COLUMNS, "db_now"),
+                ("tenant", "endpoint", *RECORD_COLUMNS, "db_now", "key"),
                 self._scoped_returning(),
                 strict=True,
             )
@@ -739,9 +754,8 @@ class SQLStore(Store):
         )
 
     def history(self, tenant: str, key: str, endpoint: str | None = None) -> list[AuditEntry]:
-        return self._history(
-            tenant, audit_table.c.lookup == trail.lookup_digest(tenant, key), endpoint
-        )
+        lookups = trail.lookups(tenant, key, self.keys.candidates(tenant, key))
+        return self._history(tenant, audit_table.c.lookup.in_(lookups), endpoint)
 
     def history_hashed(
         self, tenant: str, key_hash: str, endpoint: str | None = None

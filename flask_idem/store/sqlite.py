@@ -107,6 +107,8 @@ class SQLiteStore(SQLStore):
     def _claim(
         self, conn: sa.Connection, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float
     ) -> ClaimResult:
+        # Every stored form of the key (a rotation lists several) under BEGIN IMMEDIATE, the
+        # one write lock: the lookup and the insert are atomic whatever the secrets.
         live = (
             sa.select(*self._returning())
             .where(self._live(scope))
@@ -116,11 +118,12 @@ class SQLiteStore(SQLStore):
         row = conn.execute(live).first()
         if row is not None:
             return ClaimResult(record_from_row(scope, row, self.sealer), claimed=False)
+        # The key and the fingerprint as stored (docs/encryption.md): never the raw key.
         insert = table.insert().values(
             tenant=scope.tenant,
             endpoint=scope.endpoint,
-            key=scope.key,
-            fingerprint=fingerprint,
+            key=self.keys.stored(scope.tenant, scope.key),
+            fingerprint=self.keys.fingerprint(fingerprint),
             state=State.IN_PROGRESS.value,
             claim_token=new_token(),
             lease_expires_at=self.now_plus(lease),

@@ -8,12 +8,13 @@ without its row nor the other way round. Answers that change nothing (replays, 4
 not audited: they are events and metrics, and auditing them would turn the cheapest answer
 into a durable write that any client holding a key could repeat at will.
 
-No key and no body is stored. ``lookup`` is SHA-256 over (tenant, key), so whoever knows the
-key finds its timeline (``flask idem history --tenant T``, the key on standard input; or by
-``key_hash``, which rows carry as the logs do), and a copy of the table shows
-no key: audit rows outlive the keys' TTL by years (as long as the ledger), and keys are
-client-chosen values that sometimes carry order numbers or e-mail addresses. A guessable key
-(``order-42``) can still be confirmed by hashing guesses: treat the table as confidential.
+No key and no body is stored. ``lookup`` is SHA-256 over (tenant, the key's stored digest),
+so whoever knows the key finds its timeline (``flask idem history --tenant T``, the key on
+standard input; or by ``key_hash``, which rows carry as the logs do), and a copy of the
+table shows no key: audit rows outlive the keys' TTL by years (as long as the ledger), and keys are
+client-chosen values that sometimes carry order numbers or e-mail addresses. Without
+``IDEMPOTENCY_KEY_SECRETS`` a guessable key (``order-42``) can still be confirmed by hashing
+guesses; with a secret the stored digest is keyed, and so is the lookup made of it.
 
 Who acted is ``request`` (a view or a job), ``reconciler`` or ``operator``; reconcilers and
 ``flask idem`` commands say so with :func:`acting`.
@@ -28,6 +29,8 @@ import datetime as dt
 import hashlib
 import typing as t
 
+from ..core.key_digest import is_stored
+
 #: (actor, detail) of the store writes made in this context.
 _ACTOR: contextvars.ContextVar[tuple[str, str | None]] = contextvars.ContextVar(
     "flask_idem_audit_actor", default=("request", None)
@@ -36,9 +39,21 @@ _ACTOR: contextvars.ContextVar[tuple[str, str | None]] = contextvars.ContextVar(
 DETAIL_LENGTH = 255
 
 
-def lookup_digest(tenant: str, key: str) -> bytes:
-    """What the audit table stores instead of the key: SHA-256 over the tenant and the key."""
-    return hashlib.sha256("\x1f".join(("flask_idem audit", tenant, key)).encode()).digest()
+def lookup_digest(tenant: str, stored: str) -> bytes:
+    """What the audit table stores instead of the key: SHA-256 over the tenant and the key as
+    its record stores it (:mod:`flask_idem.core.key_digest`; rows written before revision 0011
+    hashed the raw key)."""
+    return hashlib.sha256("\x1f".join(("flask_idem audit", tenant, stored)).encode()).digest()
+
+
+def lookups(tenant: str, key: str, stored: t.Iterable[str]) -> list[bytes]:
+    """Every ``lookup`` the audit rows of ``key`` can carry: one per stored form of the key,
+    and the raw key's for rows written before revision 0011 (a raw key never looks like a
+    stored digest, so the two never collide)."""
+    found = [lookup_digest(tenant, form) for form in stored]
+    if not is_stored(key):
+        found.append(lookup_digest(tenant, key))
+    return found
 
 
 @contextlib.contextmanager

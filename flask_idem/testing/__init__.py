@@ -97,12 +97,14 @@ def age_record(store: RequestStore, scope: Scope, seconds: float, *columns: str)
         }
     assignments = ", ".join(f"{c} = {expr}" for c, expr in moved.items())
     with store.engine.begin() as conn:
+        # The key as the store digested it (every listed secret's form, during a rotation).
+        statement = sa.text(
+            f"UPDATE {TABLE_NAME} SET {assignments} "  # noqa: S608
+            "WHERE tenant = :tenant AND endpoint = :endpoint AND key IN :keys"
+        ).bindparams(sa.bindparam("keys", expanding=True))
+        keys = store.keys.candidates(scope.tenant, scope.key)
         conn.execute(
-            sa.text(
-                f"UPDATE {TABLE_NAME} SET {assignments} "  # noqa: S608
-                "WHERE tenant = :tenant AND endpoint = :endpoint AND key = :key"
-            ),
-            {"tenant": scope.tenant, "endpoint": scope.endpoint, "key": scope.key},
+            statement, {"tenant": scope.tenant, "endpoint": scope.endpoint, "keys": list(keys)}
         )
 
 

@@ -33,6 +33,7 @@ from ..core.body import read_body
 from ..core.config import Settings
 from ..core.errors import ConfigurationError, JobRefused, StoreUnavailable
 from ..core.idempotency_keys import derive_key
+from ..core.key_digest import KeyDigest
 from ..core.options import (
     EXEMPT,
     OPTIONS_ATTRIBUTE,
@@ -144,6 +145,7 @@ class Idempotency:
                 "the inspection endpoint (IDEMPOTENCY_BLUEPRINT_PREFIX = None switches it off)",
             )
         store.use_sealer(Sealer.from_settings(settings))
+        store.use_keys(KeyDigest.from_secrets(settings.key_secrets))
         store.use_audit(settings.audit, settings.audit_retention)
         store.use_archive(settings.archive)
         store.use_fast_path(settings.sqlalchemy_fast_path)

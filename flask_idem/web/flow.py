@@ -172,9 +172,10 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     tenant = _tenant(app_state)
     principal = _principal(options.principal or settings.principal)
     try:
-        scope = Scope(tenant, namespace(endpoint, scope_name, principal), key)
+        name = namespace(endpoint, scope_name, principal)
     except PrincipalInvalid as exc:
         raise _principal_unresolved(str(exc)) from None
+    scope = app_state.store.keys.scope(tenant, name, key)
     attempt = _start(Attempt(app_state, scope, options, endpoint=endpoint))
     attempt.start_trace()
     if body is None:
@@ -268,7 +269,8 @@ def answer_existing(
     """What a claim that found a record leads to: a problem (raised), a replay, or None: the
     attempt took the record over (it holds the key), or claims again after a short wait."""
     assert attempt.fingerprint is not None
-    found = classify(record, attempt.fingerprint, options.recovery)
+    keys = attempt.app_state.store.keys
+    found = classify(record, attempt.fingerprint, options.recovery, keys)
     if found is Found.COMPLETED:
         assert record.response is not None
         attempt.emit(signals.replayed, status=record.response.status)

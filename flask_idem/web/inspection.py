@@ -106,7 +106,7 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
             record
             for record in found
             if split(record.scope.endpoint)[0] in (None, principal)
-            and (wanted is None or endpoint_of(record, (wanted,)) == wanted)
+            and (wanted is None or endpoint_of(record, (wanted,), state.store.keys) == wanted)
         ]
         if not records:
             # One body for "nobody used it" and "another tenant used it".

@@ -28,6 +28,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import ConfigurationError, Idempotency, Scope, StoreUnavailable
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.store import SQLStore, create_engine
 from tests.support import atomic_app
 from tests.support.answers import post
@@ -203,7 +204,8 @@ def test_a_replay_is_answered_while_another_holds_the_scope_lock(
         "SELECT pg_advisory_xact_lock(hashtext('flask_idem'),"
         " hashtext(:tenant || E'\\x1f' || :endpoint || E'\\x1f' || :key))"
     )
-    scope = {"tenant": "alpha", "endpoint": "POST /done", "key": "k"}
+    # The claim locks the key as stored (its digest), so the test locks that.
+    scope = {"tenant": "alpha", "endpoint": "POST /done", "key": unkeyed("alpha", "k")}
     with store.engine.connect() as holder:
         holder.begin()
         holder.execute(sa.text(lock), scope)
@@ -215,7 +217,7 @@ def test_a_replay_is_answered_while_another_holds_the_scope_lock(
         mismatch = client.post("/done", json={"n": 2}, headers={"Idempotency-Key": "k"})
         assert mismatch.status_code == 422
         # No record yet for a locked scope: busy, as before.
-        holder.execute(sa.text(lock), scope | {"key": "fresh"})
+        holder.execute(sa.text(lock), scope | {"key": unkeyed("alpha", "fresh")})
         assert _post(client, "/done", key="fresh").status_code == 409
         holder.rollback()
     assert counter.calls == 1
@@ -224,7 +226,8 @@ def test_a_replay_is_answered_while_another_holds_the_scope_lock(
         conn.exec_driver_sql(
             "UPDATE idempotency_keys SET expires_at = now() - interval '1 hour',"
             " created_at = now() - interval '2 hours', completed_at = now() - interval '2 hours'"
-            " WHERE key = 'k'"
+            " WHERE key = %(key)s",
+            {"key": unkeyed("alpha", "k")},
         )
     with store.engine.connect() as holder:
         holder.begin()

@@ -27,6 +27,7 @@ from bench.apps import (
     protected,
     protected_atomic,
 )
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.ops.migrate import upgrade
 
 BODY = {"amount": 4200, "currency": "EUR", "customer": "cus_bench"}
@@ -199,13 +200,14 @@ def test_partitioned_layer_409_in_flight_and_releases_only_its_own_claim(bench_u
         with admin.connect() as conn:
             # A claim in progress (another worker's), and an expired record of another key.
             conn.exec_driver_sql(
-                "SELECT * FROM idempotency_claim('bench', 'POST /payments', 'pt-running',"
-                " '\\x00', 'other', 86400, 30)"
+                "SELECT * FROM idempotency_claim('bench', 'POST /payments',"
+                f" '{unkeyed('bench', 'pt-running')}', '\\x00', 'other', 86400, 30)"
             )
             conn.exec_driver_sql(
                 "INSERT INTO idempotency_keys (tenant, endpoint, key, fingerprint, state,"
                 " created_at, completed_at, expires_at) VALUES ('bench', 'POST /payments',"
-                " 'pt-fails', '\\x00', 'completed', now() - interval '3 days',"
+                f" '{unkeyed('bench', 'pt-fails')}', '\\x00', 'completed',"
+                " now() - interval '3 days',"
                 " now() - interval '3 days', now() - interval '2 days')"
             )
         headers = {"Idempotency-Key": "pt-running"}
@@ -217,7 +219,7 @@ def test_partitioned_layer_409_in_flight_and_releases_only_its_own_claim(bench_u
         )
         with admin.connect() as conn:
             left = conn.exec_driver_sql(
-                "SELECT state FROM idempotency_keys WHERE key = 'pt-fails'"
+                f"SELECT state FROM idempotency_keys WHERE key = '{unkeyed('bench', 'pt-fails')}'"
             ).scalars()
             # The failed claim is gone; the expired record it did not own is not.
             assert list(left) == ["completed"]
@@ -246,7 +248,7 @@ def test_atomic_partitioned_layer_never_waits_for_a_held_scope(bench_url: str) -
         for key, expected in (("apt-done", 201), ("apt-new", 409)):
             answers: list[t.Any] = []
             with admin.connect() as holder, holder.begin():
-                holder.execute(sa.text(_SCOPE_LOCK), {"key": key})
+                holder.execute(sa.text(_SCOPE_LOCK), {"key": unkeyed("bench", key)})
                 sender = threading.Thread(target=_send, args=(app, key, answers))
                 sender.start()
                 sender.join(timeout=5)

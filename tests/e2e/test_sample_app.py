@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from tests.support.drivers import PG_DRIVERS
 from tests.support.faultproxy import FaultProxy
-from tests.support.sample_server import BETA, Reply, SampleServer, migrate, spelled
+from tests.support.sample_server import BETA, Reply, SampleServer, migrate, spelled, stored_key
 
 pytestmark = pytest.mark.postgresql
 
@@ -148,7 +148,9 @@ def count(server: SampleServer, table: str, customer: str) -> int:
 
 
 def records(server: SampleServer, key: str) -> int:
-    return int(server.scalar("SELECT count(*) FROM idempotency_keys WHERE key = :k", k=key))
+    return int(
+        server.scalar("SELECT count(*) FROM idempotency_keys WHERE key = :k", k=stored_key(key))
+    )
 
 
 def wait_for(condition: t.Callable[[], bool], timeout: float = 15) -> None:
@@ -199,7 +201,7 @@ def test_prefixed_env_sets_ttl_and_lease(main: SampleServer, slow: SampleServer)
     assert main.pay(key, payment(new_customer())).status == 201
     ttl = main.scalar(
         "SELECT extract(epoch FROM expires_at - created_at) FROM idempotency_keys WHERE key = :k",
-        k=key,
+        k=stored_key(key),
     )
     assert float(ttl) == TTL
     key = new_key()
@@ -207,7 +209,7 @@ def test_prefixed_env_sets_ttl_and_lease(main: SampleServer, slow: SampleServer)
     wait_for(lambda: records(slow, key) == 1)
     lease = slow.scalar(
         "SELECT extract(epoch FROM lease_expires_at - now()) FROM idempotency_keys WHERE key = :k",
-        k=key,
+        k=stored_key(key),
     )
     assert 0 < float(lease) <= LEASE
     thread.join()
@@ -311,7 +313,9 @@ def test_first_request_then_replay(main: SampleServer) -> None:
     assert len(main.provider_attempts()) == attempts + 1
     assert count(main, "payments", customer) == 1
     assert count(main, "provider_charges", customer) == 1
-    stored = main.scalar("SELECT response_headers FROM idempotency_keys WHERE key = :k", k=key)
+    stored = main.scalar(
+        "SELECT response_headers FROM idempotency_keys WHERE key = :k", k=stored_key(key)
+    )
     assert {name.lower() for name, _ in stored} <= STORABLE_HEADERS
     fetched = main.request("GET", f"/v1/payments/{body['id']}")
     assert fetched.status == 200 and fetched.json() == body
@@ -589,7 +593,7 @@ def test_a_key_past_its_ttl_executes_again(main: SampleServer) -> None:
     assert_executed(first)
     main.sql(
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE key = :k",
-        k=key,
+        k=stored_key(key),
     )
     second = main.pay(key, payment(customer))
     assert_executed(second)
@@ -630,12 +634,12 @@ def test_records_are_partitioned_and_deduplicate_across_partitions(main: SampleS
     assert_executed(first)
     main.sql(
         "UPDATE idempotency_keys SET created_at = created_at - interval '1 day' WHERE key = :k",
-        k=key,
+        k=stored_key(key),
     )
     partition, day = main.sql(
         "SELECT tableoid::regclass::text, to_char(created_at AT TIME ZONE 'UTC', 'YYYYMMDD') "
         "FROM idempotency_keys WHERE key = :k",
-        k=key,
+        k=stored_key(key),
     )[0]
     assert partition == f"idempotency_keys_p{day}" and day != today
     assert_replay(main.pay(key, payment(customer)), first)
@@ -712,7 +716,8 @@ def test_killed_worker_recovers_after_the_lease(slow: SampleServer) -> None:
     wait_for(
         lambda: bool(
             slow.scalar(
-                "SELECT lease_expires_at <= now() FROM idempotency_keys WHERE key = :k", k=key
+                "SELECT lease_expires_at <= now() FROM idempotency_keys WHERE key = :k",
+                k=stored_key(key),
             )
         ),
         timeout=LEASE + 5,
@@ -820,7 +825,7 @@ def test_an_expired_key_charges_anew(main: SampleServer) -> None:
     first = main.pay(key, payment(customer, amount=4200))
     main.sql(
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE key = :k",
-        k=key,
+        k=stored_key(key),
     )
     second = main.pay(key, payment(customer, amount=100))
     assert_executed(second)

@@ -24,7 +24,7 @@ from tests.e2e.test_sample_app import (
     records,
     wait_for,
 )
-from tests.support.sample_server import Reply, SampleServer, migrate
+from tests.support.sample_server import Reply, SampleServer, migrate, stored_key
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
 
@@ -144,7 +144,8 @@ def test_a_worker_ended_after_the_charge_charges_once(
     # payment as the same operation and the provider answers the first charge.
     wait_for(
         lambda: (
-            server.scalar("SELECT state FROM idempotency_keys WHERE key = :k", k=key) == "unknown"
+            server.scalar("SELECT state FROM idempotency_keys WHERE key = :k", k=stored_key(key))
+            == "unknown"
         )
     )
     retry = server.pay(key, payment(customer))
@@ -171,7 +172,7 @@ def test_a_provider_timeout_answers_504_and_the_retry_finishes(server: SampleSer
 def test_operator_after_kill_9_charges_once(server: SampleServer, tool: str) -> None:
     key, customer = new_key(), new_customer()
     _pay_and_lose(server, key, customer, signal.SIGKILL)
-    wait_for(lambda: bool(server.scalar(EXPIRED, k=key)), timeout=LEASE + 10)
+    wait_for(lambda: bool(server.scalar(EXPIRED, k=stored_key(key))), timeout=LEASE + 10)
     if tool == "reconcile":
         done = server.flask("idem", "reconcile")
         assert done.returncode == 0, done.stderr
@@ -215,7 +216,7 @@ def test_a_not_happened_verdict_on_a_frozen_worker_charges_once(
         assert worker is not None and worker != transit.process.pid
         os.kill(worker, signal.SIGSTOP)
         [(_, frozen_key)] = [line.split() for line in transit.provider_attempts()[sent_before:]]
-        wait_for(lambda: bool(transit.scalar(EXPIRED, k=key)), timeout=LEASE + 10)
+        wait_for(lambda: bool(transit.scalar(EXPIRED, k=stored_key(key))), timeout=LEASE + 10)
         assert count(transit, "provider_charges", customer) == 0, "nothing charged yet"
 
         done = transit.flask("idem", *verdict, stdin=f"{key}\n")

@@ -26,6 +26,7 @@ from click.testing import Result
 
 from flask_idem import Idempotency, Scope, State, StoredResponse, create_store
 from flask_idem.core.idempotency_keys import key_hash
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore
 from tests.support.helpers import Counter, shift
@@ -244,7 +245,8 @@ def test_stuck_lists_oldest_first_with_key_hashes(store: SQLStore) -> None:
     assert "-key" not in result.stdout, "raw keys only with --show-keys"
 
     shown = idem(app, "stuck", "--show-keys", "--limit", "1").stdout
-    assert "unk-key" in shown and "dead-key" not in shown
+    assert "unk-key" not in shown, "raw keys are not stored: --show-keys shows their digests"
+    assert unkeyed("beta", "unk-key") in shown and unkeyed("alpha", "dead-key") not in shown
     assert "1 stuck record: 0 in progress past the lease, 1 unknown" in shown
     assert "(the oldest 1; there may be more)" in shown
 
@@ -262,7 +264,10 @@ def test_stuck_json_for_scripts(store: SQLStore) -> None:
     assert listed[1]["lease_expired"] is True
     assert "key" not in first and "body" not in first
     with_keys = json.loads(idem(app, "stuck", "--json", "--show-keys").stdout)
-    assert [item["key"] for item in with_keys] == ["unk-key", "dead-key"]
+    assert [item["key"] for item in with_keys] == [
+        unkeyed("beta", "unk-key"),
+        unkeyed("alpha", "dead-key"),
+    ]
 
 
 # -- show ------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from click.testing import Result
 
 from flask_idem import ConfigurationError, Idempotency, Scope, State, StoredResponse
 from flask_idem.core.config import Settings
+from flask_idem.core.fingerprint import fingerprint
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.core.sealing import (
     COMPRESSED,
     ENCRYPTED,
@@ -117,7 +119,7 @@ def _row(store: SQLStore, key: str, tenant: str = "alpha") -> dict[str, t.Any]:
                 "SELECT state, response_status, response_headers, response_body, created_at "
                 "FROM idempotency_keys WHERE tenant = :tenant AND key = :key"
             ),
-            {"tenant": tenant, "key": key},
+            {"tenant": tenant, "key": unkeyed(tenant, key)},
         ).one()
     return dict(row._mapping)
 
@@ -129,7 +131,7 @@ def _set_body(store: SQLStore, key: str, tenant: str, body: bytes) -> None:
                 "UPDATE idempotency_keys SET response_body = :body "
                 "WHERE tenant = :tenant AND key = :key"
             ),
-            {"body": body, "tenant": tenant, "key": key},
+            {"body": body, "tenant": tenant, "key": unkeyed(tenant, key)},
         )
 
 
@@ -619,7 +621,8 @@ def test_a_database_dump_holds_no_stored_body_in_clear(
             store.engine.dispose()
         if dialect == "sqlite":
             dump += _sqlite_files(url)  # after the close: checkpointed into the main file
-    assert _holds(dump, b"dump-3")  # the dump is real: keys are there
+    assert _holds(dump, unkeyed("alpha", "dump-3").encode())  # the dump is real: keys are there
+    assert not _holds(dump, b"dump-3"), "keys are stored as their digests"
     for secret in (marker.encode(), b'"last4":"4242"', b"-location", b"p" * 64):
         # Without encryption (the control) the body is there in clear: the check can see it.
         assert _holds(dump, secret) is not encrypted, secret
@@ -628,3 +631,39 @@ def test_a_database_dump_holds_no_stored_body_in_clear(
 def _holds(dump: bytes, secret: bytes) -> bool:
     """Whether ``secret`` is in the dump as bytes, or as pg_dump spells bytea (hex)."""
     return secret in dump or secret.hex().encode() in dump
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_with_a_key_secret_a_dump_confirms_no_guessed_key_or_request(
+    dialect: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """With ``IDEMPOTENCY_KEY_SECRETS`` a dump holds neither the raw key, nor its unkeyed
+    digest, nor the request's unkeyed fingerprint: whoever guesses a key or a body cannot
+    confirm the guess without the secret. Without it (the control), the unkeyed digest and
+    fingerprint are there, so the check can see them."""
+    marker = f"cus_{uuid.uuid4().hex}"
+    sent = json.dumps({"marker": marker}).encode()
+    guessed = fingerprint("POST", "/payments", {}, (), sent, "application/json")
+    for keyed in (True, False):
+        config: dict[str, t.Any] = {"IDEMPOTENCY_KEY_SECRETS": f"k1:{K1}" if keyed else ()}
+        (tmp_path / str(keyed)).mkdir()
+        with _fresh_database(dialect, request, tmp_path / str(keyed)) as url:
+            app, store = _dump_app(url, **config)
+            try:
+                client = app.test_client()
+                for _ in range(2):  # stored, then replayed
+                    answer = client.post(
+                        "/payments",
+                        data=sent,
+                        content_type="application/json",
+                        headers={"Idempotency-Key": "order-42"},
+                    )
+                    assert answer.status_code == 201 and marker.encode() in answer.data
+                dump = _pg_dump(url) if dialect == "postgresql" else _sqlite_files(url)
+            finally:
+                store.engine.dispose()
+            if dialect == "sqlite":
+                dump += _sqlite_files(url)
+        assert not _holds(dump, b"order-42")
+        assert _holds(dump, unkeyed("alpha", "order-42").encode()) is not keyed
+        assert _holds(dump, guessed) is not keyed

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from flask_idem import Idempotency, Scope, State
 from flask_idem.core.errors import JobResultNotStored, JobResultUnreadable
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.store import SQLStore
 from tests.support.helpers import Counter
 
@@ -83,8 +84,8 @@ def test_a_stored_result_altered_into_deeply_nested_json_is_not_replayed(
         settle_order("alpha", "order-1")
     with store.engine.begin() as conn:
         conn.execute(
-            sa.text("UPDATE idempotency_keys SET response_body = :body WHERE key = 'order-1'"),
-            {"body": b"[" * 100_000 + b"]" * 100_000},
+            sa.text("UPDATE idempotency_keys SET response_body = :body WHERE key = :key"),
+            {"body": b"[" * 100_000 + b"]" * 100_000, "key": unkeyed("alpha", "order-1")},
         )
     with app.app_context(), pytest.raises(JobResultNotStored):
         settle_order("alpha", "order-1")
@@ -112,9 +113,9 @@ def test_a_sqlite_row_whose_timestamp_is_no_timestamp_is_neither_replayed_nor_ru
         conn.execute(
             sa.text(
                 "UPDATE idempotency_keys SET state = :state, lease_expires_at = 'garbage' "
-                "WHERE key = 'order-1'"
+                "WHERE key = :key"
             ),
-            {"state": state},
+            {"state": state, "key": unkeyed("alpha", "order-1")},
         )
     with app.app_context(), pytest.raises(JobResultUnreadable, match="damaged"):
         settle_order("alpha", "order-1")

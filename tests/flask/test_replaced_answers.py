@@ -11,6 +11,7 @@ import flask
 import sqlalchemy as sa
 
 from flask_idem import Idempotency
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.store import SQLStore
 from flask_idem.store.table import idempotency_keys
 
@@ -35,7 +36,7 @@ def test_a_lost_lease_answer_carries_the_cors_header(store: SQLStore) -> None:
         with store.engine.begin() as conn:
             conn.execute(
                 sa.update(idempotency_keys)
-                .where(idempotency_keys.c.key == "lost-1")
+                .where(idempotency_keys.c.key == unkeyed("alpha", "lost-1"))
                 .values(claim_token="taken-by-a-retry")
             )
         return {"paid": True}, 201

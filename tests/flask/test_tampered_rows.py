@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import ConfigurationError, Idempotency, Verdict
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.core.sealing import MAGIC
 from flask_idem.store import SQLStore
 from tests.support.answers import BASE, post
@@ -37,8 +38,8 @@ App = tuple[flask.Flask, Idempotency, Counter]
 def _tamper(store: SQLStore, assignments: str, **values: t.Any) -> None:
     with store.engine.begin() as conn:
         updated = conn.execute(
-            sa.text(f"UPDATE idempotency_keys SET {assignments} WHERE key = 'tampered-1'"),
-            values,
+            sa.text(f"UPDATE idempotency_keys SET {assignments} WHERE key = :stored_key"),
+            {**values, "stored_key": unkeyed("alpha", "tampered-1")},
         )
         assert updated.rowcount == 1
 

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from flask_idem import Idempotency, Scope, create_store
 from flask_idem.core.config import Settings
 from flask_idem.core.errors import ConfigurationError
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.core.record import Archive
 from flask_idem.ops.metrics import exposition
 from flask_idem.ops.migrate import upgrade
@@ -84,7 +85,7 @@ def _claim_yesterday(store: SQLStore, scope: Scope, *, expired: bool) -> None:
         f"expires_at = (now() AT TIME ZONE 'UTC')::date - interval '12 hours' + {ttl}, "
         "lease_expires_at = (now() AT TIME ZONE 'UTC')::date - interval '12 hours' "
         "WHERE key = :key",
-        key=scope.key,
+        key=unkeyed(scope.tenant, scope.key),
     )
 
 
@@ -109,7 +110,9 @@ def test_an_expired_partition_is_detached_into_the_archive_with_its_rows(
     assert report.archived == (yesterday,) and report.dropped == ()
     assert yesterday not in _partitions(store) and _archived(store) == {yesterday}
     rows = _sql(store, f"SELECT tenant, key FROM idempotency_archive.{yesterday}")
-    assert [tuple(row) for row in rows] == [("alpha", "old")], "the rows went with it"
+    assert [tuple(row) for row in rows] == [("alpha", unkeyed("alpha", "old"))], (
+        "the rows went with it"
+    )
     assert store.get(scope) is None, "out of the hot table"
     assert store.claim(scope, FP, ttl=60, lease=30).claimed
     assert store.archived_partitions() == 1 and store.health().archived_partitions == 1
@@ -173,7 +176,9 @@ def test_a_name_taken_in_the_archive_leaves_the_partition_and_upkeep_goes_on(
     assert report.archive_dropped == ("idempotency_keys_p20000101",), "upkeep went on"
     assert yesterday in _partitions(store) and _archived(store) == {yesterday}
     rows = _sql(store, f"SELECT tenant, key FROM public.{yesterday}")
-    assert [tuple(row) for row in rows] == [("alpha", "old")], "its rows stay in the hot table"
+    assert [tuple(row) for row in rows] == [("alpha", unkeyed("alpha", "old"))], (
+        "its rows stay in the hot table"
+    )
     copy = _sql(store, f"SELECT copy FROM idempotency_archive.{yesterday}")
     assert [tuple(row) for row in copy] == [("the operator's",)], "the other table untouched"
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

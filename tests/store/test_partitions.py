@@ -8,6 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Scope, State, StoredResponse
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.store import SQLStore
 
 FP = hashlib.sha256(b"request").digest()
@@ -33,7 +34,7 @@ def _partition_of(store: SQLStore, scope: Scope) -> str:
     rows = _sql(
         store,
         "SELECT tableoid::regclass::text FROM idempotency_keys WHERE key = :key",
-        key=scope.key,
+        key=unkeyed(scope.tenant, scope.key),
     )
     assert len(rows) == 1
     return str(rows[0][0])
@@ -62,7 +63,7 @@ def _move_to_day(store: SQLStore, scope: Scope, offset: int, hour: int = 12) -> 
         "UPDATE idempotency_keys SET created_at = "
         f"(date_trunc('day', now() AT TIME ZONE 'UTC') + make_interval(days => {offset}, "
         f"hours => {hour})) AT TIME ZONE 'UTC' WHERE key = :key",
-        key=scope.key,
+        key=unkeyed(scope.tenant, scope.key),
     )
 
 
@@ -143,7 +144,7 @@ def test_maintain_leaves_rows_in_default_and_their_owner_keeps_its_claim(
     _sql(
         pg_store,
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE key = :k",
-        k=scope.key,
+        k=unkeyed(scope.tenant, scope.key),
     )
     report = pg_store.maintain(ahead=21)
     assert report.purged == 1 and _name(pg_store, 20) in report.created
@@ -159,7 +160,8 @@ def test_maintain_drops_only_fully_expired_partitions(pg_store: SQLStore) -> Non
     _sql(
         pg_store,
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 hour', "
-        "lease_expires_at = created_at WHERE key = 'expired'",
+        "lease_expires_at = created_at WHERE key = :key",
+        key=unkeyed("t", "expired"),
     )
     report = pg_store.maintain(ahead=7, dry_run=True)
     assert _name(pg_store, -4) in report.dropped
@@ -254,7 +256,7 @@ def test_a_claim_probes_no_partition_starting_a_day_or_more_ahead(
     probes the past, today, tomorrow and DEFAULT, where a record of the scope can be."""
     with pg_store.engine.begin() as conn:
         before = _scans_per_partition(conn)
-        row = conn.execute(sa.text(_CLAIMS[claim]), {"key": "new", "fp": FP}).one()
+        row = conn.execute(sa.text(_CLAIMS[claim]), {"key": unkeyed("t", "new"), "fp": FP}).one()
         assert row.claimed
         probed = {
             name for name, scans in _scans_per_partition(conn).items() if scans > before[name]
@@ -270,7 +272,7 @@ def _date_ahead(store: SQLStore, scope: Scope, ahead: str) -> None:
     _sql(
         store,
         f"UPDATE idempotency_keys SET created_at = now() + interval '{ahead}' WHERE key = :key",
-        key=scope.key,
+        key=unkeyed(scope.tenant, scope.key),
     )
 
 
@@ -314,7 +316,7 @@ def test_a_record_claimed_long_ago_and_live_from_its_end_blocks_from_default(
         "UPDATE idempotency_keys SET created_at = now() - interval '40 days', "
         "expires_at = now() - interval '39 days', completed_at = now() - interval '1 hour' "
         "WHERE key = :key",
-        key=scope.key,
+        key=unkeyed(scope.tenant, scope.key),
     )
     assert _partition_of(pg_store, scope) == "idempotency_keys_default"
     again = pg_store.claim(scope, FP, ttl=86400, lease=30)

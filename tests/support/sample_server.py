@@ -23,12 +23,21 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from flask_idem.core.key_digest import unkeyed
 from flask_idem.store import create_engine
 
 from .pgcluster import ROOT, free_port
 
 GUNICORN = str(Path(sys.executable).with_name("gunicorn"))
 ALPHA = "sk_test_alpha"
+
+
+def stored_key(key: str, tenant: str = "alpha") -> str:
+    """``key`` as the sample app's table stores it (its unkeyed digest: the sample configures no
+    ``IDEMPOTENCY_KEY_SECRETS``), for tests that look a record up in SQL."""
+    return unkeyed(tenant, key)
+
+
 BETA = "sk_test_beta"
 
 

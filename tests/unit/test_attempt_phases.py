@@ -22,11 +22,14 @@ from flask_idem.attempt import (
     classify,
 )
 from flask_idem.core.errors import JobError
+from flask_idem.core.key_digest import KeyDigest
 from flask_idem.core.problem import Problem, RequestInProgress, StoreUnavailableProblem
 from flask_idem.core.record import Record, Scope, State, StoredResponse
 from flask_idem.state import AppState
 
 SCOPE = Scope("alpha", "POST /payments", "k-1")
+#: A store that keeps fingerprints as it is given them.
+UNKEYED = KeyDigest()
 LEGAL = [(source, target) for source, targets in TRANSITIONS.items() for target in targets]
 ILLEGAL = [
     (source, target)
@@ -210,12 +213,12 @@ def _record(state: State, fingerprint: bytes = b"fp", **problems: str) -> Record
 def test_a_damaged_record_is_neither_compared_nor_replayed() -> None:
     # Its fingerprint may be the damaged part: another request must not read it as a reuse.
     damaged = _record(State.COMPLETED, b"other", damaged="created_at holds no timestamp")
-    assert classify(damaged, b"fp", "reexecute") is Found.DAMAGED
+    assert classify(damaged, b"fp", "reexecute", UNKEYED) is Found.DAMAGED
 
 
 def test_a_completed_record_that_cannot_be_decrypted_is_never_replayed() -> None:
     unreadable = _record(State.COMPLETED, unreadable="its key is not configured")
-    assert classify(unreadable, b"fp", "fail") is Found.UNREADABLE
+    assert classify(unreadable, b"fp", "fail", UNKEYED) is Found.UNREADABLE
     # Another request with the key is still a reuse, told as such.
-    assert classify(unreadable, b"other", "fail") is Found.MISMATCH
-    assert classify(_record(State.COMPLETED), b"fp", "fail") is Found.COMPLETED
+    assert classify(unreadable, b"other", "fail", UNKEYED) is Found.MISMATCH
+    assert classify(_record(State.COMPLETED), b"fp", "fail", UNKEYED) is Found.COMPLETED

@@ -2,10 +2,11 @@
 next-day audit against downstream services, distribution over Citus and encryption keys.
 
 Every command prints for a terminal by default and JSON with ``--json`` (for scripts and
-alerting), and exits non-zero when the store fails. Raw keys are printed only with
-``--show-keys`` (elsewhere a record is named by its key hash, the ``key_hash`` of the logs and
-signals) and never read from the command line (standard input, or the key hash); stored bodies
-only with ``IDEMPOTENCY_INSPECT_BODIES``.
+alerting), and exits non-zero when the store fails. The table holds no raw key: a record is
+named by its key hash (the ``key_hash`` of the logs and signals), ``--show-keys`` prints keys
+as stored (digests), and an operator who has the raw key types it on standard input (never on
+the command line), where the command digests it as the claim did; stored bodies only with
+``IDEMPOTENCY_INSPECT_BODIES``.
 
 One module per command group: :mod:`.upkeep`, :mod:`.records`, :mod:`.settle`,
 :mod:`.encryption_keys` (``flask idem keys``); ``flask idem db`` is

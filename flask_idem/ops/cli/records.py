@@ -32,7 +32,11 @@ from .common import (
 
 
 @idem_group.command()
-@click.option("--show-keys", is_flag=True, help="Print raw keys instead of key hashes.")
+@click.option(
+    "--show-keys",
+    is_flag=True,
+    help="Print keys as stored (their digests: raw keys are not stored) instead of key hashes.",
+)
 @click.option(
     "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="Records to list."
 )
