@@ -625,8 +625,28 @@ def _unkeyed(tenant: str, key: str) -> str:
     return "$sha256$" + hashlib.sha256(CONTEXT + framed).hexdigest()
 
 
+#: Live records that may run again with a raw key: their downstream keys were derived from it,
+#: and a re-run after the upgrade would derive others from the digest (a second charge at a
+#: provider that deduplicates by them).
+UNSETTLED = """
+SELECT count(*) FROM idempotency_keys
+ WHERE substr(key, 1, 1) <> '$'
+   AND state IN ('in_progress', 'unknown', 'reopened')
+   AND expires_at > {now}
+"""
+
+
 def upgrade() -> None:
     bind = op.get_bind()
+    now = "now()" if bind.dialect.name == "postgresql" else "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+    unsettled = bind.execute(sa.text(UNSETTLED.format(now=now))).scalar_one()
+    if unsettled:
+        raise RuntimeError(
+            f"{unsettled} live records are in progress, unknown or reopened: a re-run after this "
+            "upgrade would derive other downstream keys than their first run did. Stop the old "
+            "workers, settle them (flask idem stuck; flask idem reconcile or flask idem "
+            "release), then upgrade"
+        )
     if bind.dialect.name == "postgresql":
         # The guards first: a worker of an older release claiming during the update waits
         # for its lock, then refuses, instead of inserting a raw key beside a digested one.

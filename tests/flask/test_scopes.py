@@ -5,6 +5,7 @@ their records, and never show one principal's record to another."""
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import json
 import logging
@@ -96,8 +97,15 @@ def _key() -> str:
 # -- account-wide -----------------------------------------------------------------------------
 
 
-def test_an_account_wide_key_reused_on_another_endpoint_is_refused(store: SQLStore) -> None:
-    app, _, counter = _build(store, IDEMPOTENCY_SCOPE="account")
+@pytest.mark.parametrize(
+    "secrets", [None, "k1:" + base64.b64encode(b"s" * 32).decode()], ids=["unkeyed", "keyed"]
+)
+def test_an_account_wide_key_reused_on_another_endpoint_is_refused(
+    store: SQLStore, secrets: str | None
+) -> None:
+    """Also with IDEMPOTENCY_KEY_SECRETS, whose keyed fingerprint keeps the endpoint's tag
+    apart from the rest: the reuse elsewhere is told from a reuse with another body."""
+    app, _, counter = _build(store, IDEMPOTENCY_SCOPE="account", IDEMPOTENCY_KEY_SECRETS=secrets)
     key = _key()
     first = _post(app, "/orders", key)
     assert first.status_code == 201 and counter.calls == 1

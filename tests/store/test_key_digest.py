@@ -210,9 +210,10 @@ def test_upgrade_from_0010_digests_live_rows_and_their_retries_still_replay(
     url_at_0010: str,
 ) -> None:
     """Rows written under revision 0010 (raw keys) are digested by 0011: a retry after the
-    deploy replays the stored answer of a request made before it, a request still in progress
-    keeps its key, no raw key is left, a worker still sending raw keys is refused (PostgreSQL),
-    and the downgrade refuses while digested rows live."""
+    deploy replays the stored answer of a request made before it, a record that may still run
+    again (in progress, unknown) refuses the upgrade until it is settled (its re-run would
+    derive other downstream keys), no raw key is left, a worker still sending raw keys is
+    refused (PostgreSQL), and the downgrade refuses while digested rows live."""
     store = create_store(url_at_0010)
     try:
         done, running = Scope("t", "POST /p", "before-done"), Scope("t", "POST /p", "before-run")
@@ -221,7 +222,27 @@ def test_upgrade_from_0010_digests_live_rows_and_their_retries_still_replay(
         # digest is how the store writes it as it is).
         as_0010 = Scope(done.tenant, done.endpoint, done.key, digest=done.key)
         assert store.complete(as_0010, token, RESPONSE)
-        _claim_as_0010(store, running)
+        running_token = _claim_as_0010(store, running)
+        # It may run again after the upgrade: with other downstream keys, so it is refused.
+        with pytest.raises(RuntimeError, match="1 live records are in progress"):
+            upgrade(url_at_0010, "0011")
+        as_run = Scope(running.tenant, running.endpoint, running.key, digest=running.key)
+        assert store.mark_unknown(as_run, running_token)
+        with pytest.raises(RuntimeError, match="unknown or reopened"):
+            upgrade(url_at_0010, "0011")
+        # Settled by the old release ("it happened", with the answer of the first request).
+        copied = ", ".join(
+            f"{column} = (SELECT {column} FROM idempotency_keys WHERE key = 'before-done')"
+            for column in ("response_status", "response_headers", "response_body")
+        )
+        with store.engine.begin() as conn:
+            settled_rows = conn.execute(
+                sa.text(
+                    f"UPDATE idempotency_keys SET state = 'completed', lease_expires_at = NULL, "
+                    f"completed_at = created_at, {copied} WHERE key = 'before-run'"
+                )
+            ).rowcount
+        assert settled_rows == 1
         upgrade(url_at_0010, "0011")
         if store.dialect == "postgresql":
             # A worker of revision 0010 still running claims with the raw key: refused, never
@@ -241,8 +262,8 @@ def test_upgrade_from_0010_digests_live_rows_and_their_retries_still_replay(
         replay = store.claim(done, FP, ttl=600, lease=30)
         assert not replay.claimed and replay.record.response == RESPONSE
         assert store.keys.same_request(replay.record, FP)
-        busy = store.claim(running, FP, ttl=600, lease=30)
-        assert not busy.claimed and busy.record.state is State.IN_PROGRESS
+        settled = store.claim(running, FP, ttl=600, lease=30)
+        assert not settled.claimed and settled.record.response == RESPONSE
         [found] = store.find("t", "before-done")
         assert found.response == RESPONSE
         upgrade(url_at_0010, "0011")  # again: digests are left as they are
