@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from tests.support.sample_server import ALPHA, SampleServer, migrate, spelled
+from tests.support.sample_server import ALPHA, SampleServer, migrate, spelled, stored_key
 
 pytestmark = pytest.mark.postgresql
 
@@ -75,7 +75,7 @@ def test_two_api_keys_of_one_tenant_never_share_an_idempotency_key(server: Sampl
     assert len(server.provider_attempts()) == charges + 2, "two charges, no more"
     namespaces = server.sql(
         "SELECT tenant, endpoint FROM idempotency_keys WHERE key = :key ORDER BY created_at",
-        key=key,
+        key=stored_key(key),
     )
     assert [row.tenant for row in namespaces] == ["alpha", "alpha"], "the tenant stays the tenant"
     assert all(

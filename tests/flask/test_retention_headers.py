@@ -52,7 +52,7 @@ def views(app_factory: Factory, store: SQLStore) -> tuple[flask.Flask, Counter]:
         with store.engine.begin() as conn:
             conn.execute(
                 sa.update(idempotency_keys)
-                .where(idempotency_keys.c.key == "taken-1")
+                .where(idempotency_keys.c.key == store.keys.stored("alpha", "taken-1"))
                 .values(claim_token="taken-by-a-retry")
             )
         return {"paid": True}, 201
