@@ -52,12 +52,15 @@ depends_on = None
 CONTEXT = b"flask_idem key\x00"
 
 #: PostgreSQL: every raw key, digested in place (one statement: a claim waits for its row).
+#: The lengths are of the UTF-8 bytes, as Python counts them, whatever the server encoding.
 DIGEST_KEYS = f"""
 UPDATE idempotency_keys
    SET key = '$sha256$' || encode(sha256(
            decode('{CONTEXT.hex()}', 'hex')
-           || convert_to(octet_length(tenant)::text || ':' || tenant
-                         || octet_length(key)::text || ':' || key, 'UTF8')), 'hex')
+           || convert_to(octet_length(convert_to(tenant, 'UTF8'))::text || ':', 'UTF8')
+           || convert_to(tenant, 'UTF8')
+           || convert_to(octet_length(convert_to(key, 'UTF8'))::text || ':', 'UTF8')
+           || convert_to(key, 'UTF8')), 'hex')
  WHERE substr(key, 1, 1) <> '$'
 """
 

@@ -17,6 +17,7 @@ from flask_idem.core.key_digest import KeyDigest, parse_secrets, unkeyed
 from flask_idem.ops.migrate import downgrade, upgrade
 from flask_idem.store import SQLStore
 from flask_idem.testing.contract import FP, OTHER_FP, RESPONSE
+from tests.support import pgcluster
 
 OLD = base64.b64encode(b"o" * 32).decode()
 NEW = base64.b64encode(b"n" * 32).decode()
@@ -272,3 +273,30 @@ def test_upgrade_from_0010_digests_live_rows_and_their_retries_still_replay(
             downgrade(url_at_0010, "0010")
     finally:
         store.engine.dispose()
+
+
+def test_the_upgrade_digests_keys_as_python_does_on_a_latin1_database(pg_server_url: str) -> None:
+    """The migration counts the UTF-8 bytes of a tenant and a key, as the code that looks them
+    up does, whatever the server's encoding: on LATIN1 a tenant "Zürich" is 6 bytes to the
+    server and 7 in UTF-8, and a digest of the wrong length prefix would never be found (the
+    retry of a completed request would run again)."""
+    url = pgcluster.create_database(
+        pg_server_url, "ENCODING 'LATIN1' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'"
+    )
+    store = None
+    try:
+        upgrade(url, "0010")
+        store = create_store(url)
+        done = Scope("Zürich", "POST /p", "k-ü")
+        token = _claim_as_0010(store, done)
+        assert store.complete(
+            Scope(done.tenant, done.endpoint, done.key, digest=done.key), token, RESPONSE
+        )
+        upgrade(url, "0011")
+        replay = store.claim(done, FP, ttl=600, lease=30)
+        assert not replay.claimed, "the request made before the upgrade would run again"
+        assert replay.record.response == RESPONSE
+    finally:
+        if store is not None:
+            store.engine.dispose()
+        pgcluster.drop_database(url)

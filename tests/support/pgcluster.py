@@ -212,8 +212,11 @@ def _reachable_by_all(path: Path) -> bool:
     return all(parent.stat().st_mode & stat.S_IXOTH for parent in path.resolve().parents)
 
 
-def create_database(server_url: str) -> str:
-    """Create a fresh, uniquely named database on ``server_url``; return its URL."""
+def create_database(server_url: str, options: str = "") -> str:
+    """Create a fresh, uniquely named database on ``server_url``; return its URL.
+
+    :param options: appended to ``CREATE DATABASE`` (``ENCODING 'LATIN1' TEMPLATE template0``).
+    """
     import sqlalchemy as sa
 
     from flask_idem.store import normalize_url
@@ -222,7 +225,7 @@ def create_database(server_url: str) -> str:
     engine = sa.create_engine(normalize_url(server_url), isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
-            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}" {options}')
     finally:
         engine.dispose()
     return sa.make_url(server_url).set(database=name).render_as_string(hide_password=False)
