@@ -204,7 +204,8 @@ def test_a_durable_claim_waits_for_a_held_scope_lock_no_longer_than_the_bound(
             cursor.execute(
                 "SELECT pg_advisory_xact_lock(hashtext('flask_idem'), "
                 "hashtext(%s || E'\\x1f' || %s || E'\\x1f' || %s))",
-                (scope.tenant, scope.endpoint, scope.key),
+                # The claim locks the key as stored (its digest).
+                (scope.tenant, scope.endpoint, pooled_store.keys.stored(scope.tenant, scope.key)),
             )
         started = time.monotonic()
         with pytest.raises(StoreUnavailable) as caught:
