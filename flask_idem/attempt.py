@@ -718,6 +718,14 @@ class Attempt:
         return getattr(self.options, "ttl", None) or self.app_state.settings.ttl
 
     @property
+    def in_transaction(self) -> bool:
+        """Its business transaction is open (a rollback ends it; the next statement opens
+        another)."""
+        if self.session is not None:
+            return bool(self.session.in_transaction())
+        return self.connection is not None and self.connection.in_transaction()
+
+    @property
     def atomic(self) -> bool:
         """The claim lives in the business transaction (``@idem.idempotent(atomic=True)``)."""
         return bool(getattr(self.options, "atomic", False))

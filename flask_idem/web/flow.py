@@ -504,7 +504,7 @@ def finish(attempt: Attempt, response: Response) -> Response:
     if attempt.phase is Phase.REFUSED:
         attempt.give_up("the view refused the request")
         return unreplayed(response)
-    if attempt.rolled_back and response.status_code < 400:
+    if _rolled_back_before_success(attempt, response):
         # The view (or a hook) rolled back what it wrote, then answered a success: the
         # answer does not stand for what committed. (An error answer after a rollback does.)
         return _unrecorded(attempt, "the business transaction was rolled back before a success")
@@ -532,6 +532,14 @@ def finish(attempt: Attempt, response: Response) -> Response:
         # this answer, so it must never be stored (nor the key given back).
         return _unrecorded(attempt, "the view ended its business transaction below SQLAlchemy")
     return _complete(attempt, response)
+
+
+def _rolled_back_before_success(attempt: Attempt, response: Response) -> bool:
+    if not attempt.rolled_back or response.status_code >= 400:
+        return False
+    # An atomic view that went on in a new transaction lost its claim with the old one: its
+    # completion finds the reservation gone (409 lease lost, its later writes roll back).
+    return not (attempt.atomic and attempt.in_transaction)
 
 
 def _unrecorded(attempt: Attempt, reason: str) -> Response:
