@@ -136,14 +136,24 @@ def settle(server: SampleServer, key: str, body: dict[str, t.Any], timeout: floa
 
 @contextlib.contextmanager
 def frozen(cluster: pgcluster.Cluster) -> t.Iterator[None]:
-    """SIGSTOP the postmaster and every backend: connections stay open and acknowledged."""
-    pids = cluster.server_pids()
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+    """SIGSTOP the postmaster and every backend: connections stay open and acknowledged.
+
+    The postmaster stops first, so that no child is forked after the list of its children is
+    read; a child that exits before its signal (an autovacuum worker, a closed session) is
+    skipped. Whatever was stopped is resumed whatever happens: a server left stopped fails
+    every later test of the cluster and hangs the ones that wait for it."""
+    postmaster, *_ = cluster.server_pids()
+    stopped: list[int] = []
     try:
+        os.kill(postmaster, signal.SIGSTOP)
+        stopped.append(postmaster)
+        for pid in cluster.server_pids()[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
         yield
     finally:
-        for pid in reversed(pids):
+        for pid in reversed(stopped):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
