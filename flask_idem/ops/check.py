@@ -25,7 +25,6 @@ import enum
 import typing as t
 
 import sqlalchemy as sa
-from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 
@@ -34,8 +33,7 @@ from ..store import PostgresStore, RequestStore
 from ..store.expected_functions import EXPECTED_FUNCTIONS, drift
 from ..store.pooler import SENT, STARTUP_MARKER
 from ..store.sql import translate_errors
-from ..store.table import VERSION_TABLE
-from .migrate import alembic_config
+from .migrate import alembic_config, recorded_revision
 
 #: The oldest PostgreSQL the migrations and claims run on.
 POSTGRESQL_MINIMUM = (13,)
@@ -115,7 +113,7 @@ def _schema(connection: sa.Connection, migrate: t.Any) -> tuple[Finding, str | N
     known = {script.revision for script in ours.walk_revisions()}
     (head,) = ours.get_heads()
     try:
-        revision, source = _recorded(connection, migrate, known)
+        revision, source = recorded_revision(connection, migrate, known)
     except CommandError as exc:  # Flask-Migrate's directory is not where the app says
         detail = f"cannot read the application's migration history: {exc}"
         return Finding("schema", Status.WARNING, detail), None
@@ -132,32 +130,6 @@ def _schema(connection: sa.Connection, migrate: t.Any) -> tuple[Finding, str | N
         "release migrated it; upgrade the package"
     )
     return Finding("schema", Status.WARNING, detail), revision
-
-
-def _recorded(connection: sa.Connection, migrate: t.Any, known: set[str]) -> tuple[str | None, str]:
-    """flask_idem's revision as recorded in the database, and where it was read."""
-    heads = _heads(connection, VERSION_TABLE)
-    if heads or migrate is None:
-        return (heads[0] if heads else None), VERSION_TABLE
-    table = migrate.configure_args.get("version_table", "alembic_version")
-    heads = _heads(connection, table)
-    direct = [head for head in heads if head in known]
-    if direct or not heads:
-        return (direct[0] if direct else None), table
-    # Merged (`flask db merge heads`): flask_idem's revision is an ancestor of a recorded one,
-    # found in the application's history, which includes flask_idem's revisions.
-    history = ScriptDirectory.from_config(migrate.migrate.get_config(migrate.directory))
-    for recorded in heads:
-        for script in history.iterate_revisions(recorded, "base"):
-            if script.revision in known:
-                return script.revision, table
-    return None, table
-
-
-def _heads(connection: sa.Connection, version_table: str) -> tuple[str, ...]:
-    """The revisions recorded in ``version_table`` (none when it does not exist)."""
-    context = MigrationContext.configure(connection, opts={"version_table": version_table})
-    return context.get_current_heads()
 
 
 def _functions(connection: sa.Connection) -> Finding:

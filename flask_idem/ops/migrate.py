@@ -32,6 +32,8 @@ import click
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from flask import current_app, has_app_context
 from flask.cli import AppGroup
@@ -43,8 +45,7 @@ from ..store.table import TABLE_NAME, VERSION_TABLE, metadata
 
 if t.TYPE_CHECKING:
     from alembic.operations.ops import MigrationScript
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import Script, ScriptDirectory
+    from alembic.script import Script
     from flask_migrate import Migrate
 
 #: The branch label of flask_idem's first revision: ``flask db upgrade flask_idem@head``.
@@ -111,6 +112,39 @@ def downgrade(url: str | sa.URL | None = None, revision: str = "base") -> None:
     :param url: the database, found as for :func:`upgrade`.
     """
     command.downgrade(alembic_config(app_database() if url is None else url), revision)
+
+
+def recorded_revision(
+    connection: sa.Connection, migrate: t.Any, known: set[str]
+) -> tuple[str | None, str]:
+    """flask_idem's revision as recorded in the database, and the version table it was read in.
+
+    Its own version table first (standalone migrations); else, in an application with
+    Flask-Migrate (``migrate``: its ``app.extensions["migrate"]``), the application's, where
+    flask_idem's revision is a head or, after ``flask db merge heads``, an ancestor of one.
+
+    :param known: the revisions of this flask_idem.
+    """
+    heads = _heads(connection, VERSION_TABLE)
+    if heads or migrate is None:
+        return (heads[0] if heads else None), VERSION_TABLE
+    table = migrate.configure_args.get("version_table", "alembic_version")
+    heads = _heads(connection, table)
+    direct = [head for head in heads if head in known]
+    if direct or not heads:
+        return (direct[0] if direct else None), table
+    history = ScriptDirectory.from_config(migrate.migrate.get_config(migrate.directory))
+    for recorded in heads:
+        for script in history.iterate_revisions(recorded, "base"):
+            if script.revision in known:
+                return script.revision, table
+    return None, table
+
+
+def _heads(connection: sa.Connection, version_table: str) -> tuple[str, ...]:
+    """The revisions recorded in ``version_table`` (none when it does not exist)."""
+    context = MigrationContext.configure(connection, opts={"version_table": version_table})
+    return context.get_current_heads()
 
 
 # -- inside an application's history (Flask-Migrate) ----------------------------------------
@@ -375,5 +409,23 @@ def db_downgrade(revision: str, sql: bool) -> None:
 
 @db_group.command("current")
 def db_current() -> None:
-    """Print the revision flask_idem's tables are at (empty when never migrated)."""
-    command.current(_app_config())
+    """Print the revision flask_idem's tables are at (empty when never migrated), also when
+    the application's Flask-Migrate history records it."""
+    config = _app_config()
+    migrate = current_app.extensions.get("migrate")
+    url = config.get_main_option("sqlalchemy.url")
+    if migrate is None or url is None:
+        command.current(config)
+        return
+    ours = ScriptDirectory.from_config(alembic_config())
+    known = {script.revision for script in ours.walk_revisions()}
+    engine = sa.create_engine(url.replace("%%", "%"))
+    try:
+        with engine.connect() as connection:
+            revision, table = recorded_revision(connection, migrate, known)
+    finally:
+        engine.dispose()
+    if revision is not None:
+        head = " (head)" if revision in ours.get_heads() else ""
+        where = "" if table == VERSION_TABLE else f" (in the application's {table})"
+        click.echo(f"{revision}{head}{where}")

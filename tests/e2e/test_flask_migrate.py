@@ -187,6 +187,8 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
     assert _versions(app_url) == {HEAD, app_revision}
     checked = _flask(project, app_url, "idem", "check")
     assert f"ok      schema: at {HEAD}, the head (alembic_version)" in checked
+    current = _flask(project, app_url, "idem", "db", "current")
+    assert f"{HEAD} (head) (in the application's alembic_version)" in current, current
     # The standalone command would create the tables again: it says what to run instead.
     standalone = _flask(project, app_url, "idem", "db", "upgrade", check=False)
     assert "run `flask db upgrade heads` instead" in standalone, standalone
@@ -204,6 +206,7 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
     assert _versions(app_url) == {app_revision}
     checked = _flask(project, app_url, "idem", "check", check=False)
     assert "error   schema: flask_idem's tables are not migrated" in checked
+    assert HEAD not in _flask(project, app_url, "idem", "db", "current")
 
     # After a merge revision, a plain `flask db upgrade` works too.
     _flask(project, app_url, "db", "merge", "heads", "-m", "include flask_idem")
@@ -215,6 +218,8 @@ def test_flask_db_upgrade_heads_brings_up_both_histories(
     # flask_idem's revision is now an ancestor of the merge: read from the app's history.
     checked = _flask(project, app_url, "idem", "check")
     assert f"ok      schema: at {HEAD}, the head (alembic_version)" in checked
+    current = _flask(project, app_url, "idem", "db", "current")
+    assert f"{HEAD} (head) (in the application's alembic_version)" in current, current
 
 
 def _grow_a_new_application(project: Path, url: str, python: str = sys.executable) -> None:
