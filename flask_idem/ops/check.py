@@ -15,7 +15,9 @@ flask_idem is meant to run) or ``error`` (protected requests fail, or will):
 * **session settings** (PostgreSQL) of a store connection, as flask_idem relies on them:
   ``statement_timeout`` and ``lock_timeout`` (a blocked statement must not hold a worker),
   READ COMMITTED (both claims refuse anything else) and ``log_min_error_statement = panic``
-  (a failing statement must not write raw keys into the server log).
+  (a failing statement must not write raw keys into the server log);
+* **key secrets** (Citus): ``IDEMPOTENCY_KEY_SECRETS`` lists one entry only, as a rotation's
+  locks do not reach the workers (docs/encryption.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from alembic.util import CommandError
 
 from ..core.errors import UPGRADE_HINT, StoreUnavailable
 from ..store import PostgresStore, RequestStore
+from ..store.citus import citus_version
 from ..store.expected_functions import EXPECTED_FUNCTIONS, drift
 from ..store.pooler import SENT, STARTUP_MARKER
 from ..store.sql import translate_errors
@@ -88,6 +91,8 @@ def run(store: RequestStore, *, partitions_ahead: int, migrate: t.Any = None) ->
                 if schema.status is Status.OK:
                     findings.append(_functions(connection))
                 findings += _session(connection)
+                if store.keys.rotating and citus_version(connection) is not None:
+                    findings.append(_rotation_on_citus(len(store.keys.secrets)))
     except StoreUnavailable as exc:
         return [Finding("database", Status.ERROR, str(exc))]
     if isinstance(store, PostgresStore) and revision is not None:
@@ -164,6 +169,17 @@ def _partitions(store: PostgresStore, wanted: int) -> Finding:
         detail = f"{current} is current, only {counted}: run `flask idem maintain`, from cron"
         return Finding("partitions", Status.WARNING, detail)
     return Finding("partitions", Status.OK, f"{current} is current, {counted}")
+
+
+def _rotation_on_citus(entries: int) -> Finding:
+    """A rotation's extra locks are the coordinator's, while a claim of one entry locks on
+    the tenant's worker: servers of two rotation steps would not wait for each other."""
+    detail = (
+        f"IDEMPOTENCY_KEY_SECRETS lists {entries} entries on Citus, where a rotation's locks "
+        "do not reach the workers' claims (two servers could claim one key twice): list one "
+        "entry only (docs/encryption.md)"
+    )
+    return Finding("key secrets", Status.ERROR, detail)
 
 
 def _session(connection: sa.Connection) -> list[Finding]:

@@ -7,6 +7,7 @@ one line saying why, and fail under ``FLASK_IDEM_REQUIRE_CITUS=1`` (CI).
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
 import itertools
@@ -108,6 +109,30 @@ def test_flask_idem_citus_distributes_once(distributed: Distributed) -> None:
     assert tables["idempotency_keys"] == "tenant"
     assert tables["idempotency_keys_default"] == "tenant"
     assert set(tables.values()) == {"tenant"}, "every partition is distributed by tenant"
+
+
+def test_check_refuses_a_key_rotation_on_citus(distributed: Distributed) -> None:
+    """A rotation's locks are the coordinator's; a one-entry claim locks on the worker: the
+    deploy check says so instead of letting two rotation steps claim one key twice."""
+    secret = base64.b64encode(b"s" * 32).decode()
+
+    def check(secrets: str) -> t.Any:
+        app = flask.Flask("citus-check")
+        app.config["IDEMPOTENCY_DATABASE_URL"] = distributed.url
+        app.config["IDEMPOTENCY_KEY_SECRETS"] = secrets
+        Idempotency(app)
+        try:
+            return app.test_cli_runner().invoke(args=["idem", "check"])
+        finally:
+            app.extensions["idempotency"].store.engine.dispose()
+
+    rotating = check(f"sha256,ks1:{secret}")
+    assert rotating.exit_code == 1, rotating.output
+    assert (
+        "error   key secrets: IDEMPOTENCY_KEY_SECRETS lists 2 entries on Citus" in rotating.output
+    )
+    settled = check(f"ks1:{secret}")
+    assert "key secrets" not in settled.output, settled.output
 
 
 class TestStoreThroughTheCoordinator(StoreContract):
