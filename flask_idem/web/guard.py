@@ -52,7 +52,7 @@ from werkzeug.wrappers import Response
 from ..attempt import Attempt
 from ..core.errors import GuardNotFound
 from ..core.idempotency_keys import InvalidKey, echo_of_invalid, read_key
-from ..core.options import EXEMPT, OPTIONS_ATTRIBUTE, ViewOptions
+from ..core.options import OPTIONS_ATTRIBUTE, ViewOptions, is_exempt
 from ..core.problem import Problem
 from ..state import AppState
 from . import flow
@@ -269,7 +269,7 @@ def protection(app_state: AppState, declared: ViewOptions | None = None) -> View
             "ViewOptions | None",
             getattr(found if found is not None else view, OPTIONS_ATTRIBUTE, None),
         )
-    if declared is EXEMPT:
+    if is_exempt(declared):
         return None
     if declared is not None:
         return declared
