@@ -109,7 +109,7 @@ from ..core.problem import (
     TenantUnresolved,
 )
 from ..core.record import STORABLE_STATUSES, Record, Scope, StoredResponse
-from ..core.scopes import PrincipalInvalid, account_fingerprint, check_principal, namespace
+from ..core.scopes import PrincipalInvalid, account_fingerprint, namespace, resolve_principal
 from ..core.snapshot import response_snapshot
 from ..sessions import has_unmanaged_writes
 from ..state import AppState
@@ -170,11 +170,11 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     endpoint = f"{req.method} {req.url_rule.rule}"
     scope_name = options.scope or settings.scope
     tenant = _tenant(app_state)
-    principal = _principal(options.principal or settings.principal)
     try:
+        principal = resolve_principal(options.principal or settings.principal)
         name = namespace(endpoint, scope_name, principal)
     except PrincipalInvalid as exc:
-        raise _principal_unresolved(str(exc)) from None
+        raise _principal_unresolved(exc) from None
     scope = app_state.store.keys.scope(tenant, name, key)
     attempt = _start(Attempt(app_state, scope, options, endpoint=endpoint))
     attempt.start_trace()
@@ -377,32 +377,19 @@ def _tenant(app_state: AppState) -> str:
     return tenant
 
 
-def _principal(resolve: t.Callable[[], t.Any] | None) -> str | None:
-    """The request's principal (None: the view has none), checked like a key: a callable
-    that raises or returns nothing usable refuses the request, never a 500 page."""
-    if resolve is None:
-        return None
-    try:
-        return check_principal(resolve())
-    except HTTPException:
-        raise  # the callable's own answer (abort(401))
-    except PrincipalInvalid as exc:
-        raise _principal_unresolved(str(exc)) from None
-    except Exception as exc:
-        # The exception may carry the credential the principal was looked up by: redacted.
+def _principal_unresolved(error: PrincipalInvalid) -> PrincipalUnresolved:
+    """The refusal of a request whose principal callable raised or returned nothing usable
+    (never a 500 page). What it raised may carry the credential it looked up by: redacted."""
+    if error.__cause__ is not None:
         log.error(
             "the principal callable raised; the request is refused (principal-unresolved)",
-            exc_info=redacted(exc),
+            exc_info=redacted(error.__cause__),
         )
-        raise _principal_unresolved("the principal callable raised") from None
-
-
-def _principal_unresolved(reason: str) -> PrincipalUnresolved:
     log.error(
         "protected request without a usable principal (%s): does IDEMPOTENCY_PRINCIPAL (or "
         "principal=) return a user or API key id, and did the authentication that sets it "
         "run before the claim?",
-        reason,
+        error,
     )
     return PrincipalUnresolved(
         "The server could not tell who within the account sent this request, so it refuses "
