@@ -392,7 +392,8 @@ class Attempt:
     app_state: AppState
     scope: Scope | None
     options: ViewOptions | JobOptions | None
-    #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``).
+    #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``);
+    #: :attr:`echoed_key` is what its answers echo.
     echo: str | None = None
     #: The request's fingerprint, once computed (events carry a prefix of it).
     fingerprint: bytes | None = None
@@ -434,15 +435,17 @@ class Attempt:
     view_started: float | None = None
     #: The tracer's view of this attempt, when one follows it (:meth:`start_trace`).
     trace: Trace | None = None
-    #: The claim was made by the outer guard around the whole view function (not by the
-    #: view's own ``@idem.idempotent``, which the guard search did not find).
+    #: Its claim is made by the outer guard around the whole view function (blueprint-wide or
+    #: app-wide protection), not by a view's own ``@idem.idempotent``: a guard of the view's
+    #: found under it refuses to run (the decorators between them would come too late).
     claimed_around_view: bool = False
     #: The driver-level commits this attempt's context made on the store's engine, counted
     #: from its claim (:mod:`.store.commit_count`).
     tally: commit_count.Tally | None = None
-    #: ``idem.refuse()`` ended the view or job, and nothing around the guard went on after it
-    #: (see :meth:`went_on`).
-    _refusal_stands: bool = dataclasses.field(default=False, init=False)
+    #: How its view or job ended: the phase it left :attr:`Phase.RUNNING` for (``ANSWERED``,
+    #: ``REFUSED``, ``CRASHED``), or ``CRASHED`` once code around the guard went on from its
+    #: refusal (:meth:`went_on`). A later move (an exception after the answer) keeps it.
+    ended: Phase | None = dataclasses.field(default=None, init=False)
     #: True while flask_idem itself commits or rolls the business transaction back: the
     #: commit guard and the session's listeners leave that to it.
     _settling: bool = dataclasses.field(default=False, init=False)
@@ -453,6 +456,8 @@ class Attempt:
     # -- the phase ---------------------------------------------------------------------
 
     def _move(self, to: Phase) -> None:
+        if self.phase is Phase.RUNNING and to is not Phase.FINISHED:
+            self.ended = to
         self.phase = advance(self.phase, to)
 
     @property
@@ -479,7 +484,7 @@ class Attempt:
     @property
     def refused(self) -> bool:
         """``idem.refuse()`` ended its view or job, which therefore did nothing."""
-        return self._refusal_stands
+        return self.ended is Phase.REFUSED
 
     def mark_answered(self, raised: int | None = None) -> None:
         """The view returned, or raised an ``HTTPException`` with status ``raised``."""
@@ -500,17 +505,21 @@ class Attempt:
         """``idem.refuse()`` ended the view or job."""
         if self.phase is Phase.RUNNING:
             self._move(Phase.REFUSED)
-            self._refusal_stands = True
         elif self.phase in (Phase.UNCLAIMED, Phase.CLAIMING):
             self._move(Phase.FAILED)
 
     def went_on(self) -> None:
-        """Code around the guard (a decorator above ``@idem.idempotent``) caught the refusal
-        and went on: it returned, aborted or raised on its own, after a call nobody declared,
-        perhaps. The refusal no longer proves the attempt did nothing, so it no longer gives
-        the key back. An exception after the answer (an ``after_request`` hook) is no such
-        thing: it leaves the refusal standing."""
-        self._refusal_stands = False
+        """Code around the guard (a decorator above ``@idem.idempotent``) went on after the
+        view: when the view refused, that code caught the refusal and returned, aborted or
+        raised on its own, after a call nobody declared, perhaps. Then the refusal is an
+        exception someone else rendered: ``REFUSED -> CRASHED``, given up, and no longer
+        proof that the attempt did nothing, so it no longer gives the key back. (Its answer is
+        never stored: it answers for code around the operation, not for the operation.) An
+        exception after the answer (an ``after_request`` hook) is no such thing: it leaves the
+        refusal standing (:meth:`mark_crashed`)."""
+        if self.phase is Phase.REFUSED:
+            self._move(Phase.CRASHED)
+            self.ended = Phase.CRASHED
 
     def mark_crashed(self) -> None:
         """The view or job raised, or an exception followed its answer (never undone: a
@@ -711,6 +720,12 @@ class Attempt:
         if self.contacted or self.options is None:
             return False
         return self.refused or self.options.release_before_contact
+
+    @property
+    def echoed_key(self) -> str | None:
+        """The key its answers echo: the one it claims with, else the request's invalid key
+        as it may be echoed (:attr:`echo`)."""
+        return self.scope.key if self.scope is not None else self.echo
 
     @property
     def ttl(self) -> float:

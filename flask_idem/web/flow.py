@@ -142,8 +142,13 @@ def unclaimed(app_state: AppState, options: ViewOptions) -> None:
         attempt.attach_session()
 
 
-def claim(app_state: AppState, options: ViewOptions) -> Response | None:
+def claim(
+    app_state: AppState, options: ViewOptions, *, around_view: bool = False
+) -> Response | None:
     """Take the key for this request, or answer from the record that holds it.
+
+    :param around_view: the outer guard claims, around the whole view function
+        (:attr:`.Attempt.claimed_around_view`).
 
     :returns: None when the view may run (the key is ours, or the request carries no key and
         does not need one); otherwise the replayed response. Problems are raised.
@@ -176,7 +181,9 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     except PrincipalInvalid as exc:
         raise _principal_unresolved(exc) from None
     scope = app_state.store.keys.scope(tenant, name, key)
-    attempt = _start(Attempt(app_state, scope, options, endpoint=endpoint))
+    attempt = _start(
+        Attempt(app_state, scope, options, endpoint=endpoint, claimed_around_view=around_view)
+    )
     attempt.start_trace()
     if body is None:
         body = read_body(req, settings.max_request_body)
@@ -470,9 +477,7 @@ def finish(attempt: Attempt, response: Response) -> Response:
     """``after_request`` (through :func:`.guard.finish`): complete the record with the
     response, or give up."""
     app_state = attempt.app_state
-    echo = attempt.scope.key if attempt.scope is not None else attempt.echo
-    if echo is not None:
-        response.headers[app_state.settings.header] = echo
+    echo_key(app_state.settings, response, attempt.echoed_key)
     if attempt.phase is Phase.FINISHED:
         return response
     if not attempt.holding:
@@ -636,12 +641,18 @@ def _seconds(seconds: float) -> str:
     return str(max(0, math.floor(seconds)))
 
 
-def problem_response(app_state: AppState, attempt: Attempt | None, problem: Problem) -> Response:
-    """``problem`` as the request's answer, echoing the key the attempt holds."""
-    response = problem.get_response()
-    if attempt is not None and attempt.scope is not None:
-        response.headers[app_state.settings.header] = attempt.scope.key
+def echo_key(settings: Settings, response: Response, key: str | None) -> Response:
+    """Echo the request's idempotency key on ``response`` (every answer of a protected request
+    that sent one says which key it answers)."""
+    if key is not None:
+        response.headers[settings.header] = key
     return response
+
+
+def problem_response(app_state: AppState, attempt: Attempt | None, problem: Problem) -> Response:
+    """``problem`` as the request's answer, echoing the attempt's key."""
+    key = None if attempt is None else attempt.echoed_key
+    return echo_key(app_state.settings, problem.get_response(), key)
 
 
 def _settle_unclaimed(attempt: Attempt, response: Response) -> Response:
@@ -667,8 +678,5 @@ def _settle_unclaimed(attempt: Attempt, response: Response) -> Response:
             attempt.commit()
     except StoreUnavailable as exc:
         answer = t.cast(Response, store_unavailable(exc))
-        echo = response.headers.get(app_state.settings.header)
-        if echo is not None:
-            answer.headers[app_state.settings.header] = echo
-        return answer
+        return echo_key(app_state.settings, answer, attempt.echoed_key)
     return response

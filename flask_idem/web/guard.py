@@ -222,7 +222,7 @@ def enter(
         return t.cast(ResponseReturnValue, call(*args, **kwargs))
     if claims:
         try:
-            answer = flow.claim(app_state, options)
+            answer = flow.claim(app_state, options, around_view=declared is None)
         except Problem as problem:
             # Returned, not raised: an application's errorhandler(Exception) or
             # errorhandler(HTTPException) must not turn a 409 or a 422 into its own 500.
@@ -230,8 +230,6 @@ def enter(
         if answer is not None:
             return answer
     attempt = Attempt.current()
-    if attempt is not None and declared is None:
-        attempt.claimed_around_view = True
     if attempt is None or not attempt.holding:
         flow.unclaimed(app_state, options)
     return flow.run(call, args, kwargs)
@@ -321,6 +319,4 @@ def finish(response: Response) -> Response:
         key = read_key(request.headers, settings.headers)
     except InvalidKey:
         key = echo_of_invalid(request.headers, settings.headers)
-    if key is not None:
-        response.headers[settings.header] = key
-    return response
+    return flow.echo_key(settings, response, key)
