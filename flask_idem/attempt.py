@@ -203,33 +203,37 @@ def classify(record: Record, digest: bytes, recovery: Recovery, keys: KeyDigest)
     return Found.RERUN
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Outcome:
     """One row of the outcome table: the event, the log record, the HTTP answer and the job
     answer."""
 
-    #: The transition it is (None: no event; giving the key up reports its own).
-    signal: NamedSignal | None
-    #: The event carries the found record's state.
-    with_state: bool
     #: A view's answer: the problem and its detail.
     problem: type[Problem]
     detail: str
+    #: The ``Retry-After`` seconds the problem hints (None: none).
+    retry_after: int | None = None
+    #: The transition it is (None: no event; giving the key up reports its own).
+    signal: NamedSignal | None = None
+    #: The event carries the found record's state.
+    with_state: bool = False
     #: A job's answer: the error it raises (None: the store's own error, raised again) and
     #: what it says of the message (``{reason}``: what is wrong with the record).
-    job_error: type[JobError] | None
-    job_says: str
+    job_error: type[JobError] | None = None
+    job_says: str = ""
+    #: A job's countdown whatever the lease says (an operator's repair takes its time).
+    job_retry_after: float | None = None
     #: An error logged with the record's reason (``%s``), for a record nobody can act on
     #: until an operator does.
     log: str | None = None
-    #: A job's countdown whatever the lease says (an operator's repair takes its time).
-    job_retry_after: float | None = None
 
     def http(self) -> Problem:
         """The problem a view answers."""
-        if self.problem is RequestInProgress:
-            return RequestInProgress(self.detail, retry_after=IN_FLIGHT_RETRY_AFTER)
-        return self.problem(self.detail)
+        if self.retry_after is None:
+            return self.problem(self.detail)
+        # The problems that hint a retry take it as a keyword (see :mod:`.core.problem`).
+        hinting = t.cast("t.Callable[..., Problem]", self.problem)
+        return hinting(self.detail, retry_after=self.retry_after)
 
     def job(
         self, scope: Scope, *, reason: str | None = None, retry_after: float | None = None
@@ -260,118 +264,124 @@ _UNREADABLE = (
 #: lead to. (A completed record is replayed, a re-run taken over: see the callers.)
 OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
     Found.DAMAGED: Outcome(
-        None,
-        False,
-        StoredResponseUnreadable,
-        _UNREADABLE,
-        JobResultUnreadable,
-        "has a stored record that is damaged ({reason}); redeliver once an operator has "
-        "repaired or deleted it",
-        log="stored record damaged: %s",
+        problem=StoredResponseUnreadable,
+        detail=_UNREADABLE,
+        job_error=JobResultUnreadable,
+        job_says=(
+            "has a stored record that is damaged ({reason}); redeliver once an operator has "
+            "repaired or deleted it"
+        ),
         job_retry_after=30,
+        log="stored record damaged: %s",
     ),
     Found.UNREADABLE: Outcome(
-        None,
-        False,
-        StoredResponseUnreadable,
-        _UNREADABLE,
-        JobResultUnreadable,
-        "ran, but its stored result cannot be decrypted here ({reason}); redeliver once the "
-        "key is configured",
-        log="stored result unreadable: %s",
+        problem=StoredResponseUnreadable,
+        detail=_UNREADABLE,
+        job_error=JobResultUnreadable,
+        job_says=(
+            "ran, but its stored result cannot be decrypted here ({reason}); redeliver once "
+            "the key is configured"
+        ),
         job_retry_after=30,
+        log="stored result unreadable: %s",
     ),
     Found.MISMATCH: Outcome(
-        signals.mismatch,
-        True,
-        KeyReused,
-        "This idempotency key was already used with a different request; "
-        "use a new key for a new operation.",
-        JobKeyReused,
-        "was already used with other arguments",
+        signal=signals.mismatch,
+        with_state=True,
+        problem=KeyReused,
+        detail=(
+            "This idempotency key was already used with a different request; "
+            "use a new key for a new operation."
+        ),
+        job_error=JobKeyReused,
+        job_says="was already used with other arguments",
     ),
     Found.ELSEWHERE: Outcome(
-        signals.mismatch,
-        True,
-        KeyUsedElsewhere,
-        "This idempotency key was already used on another endpoint; a key names one "
-        "operation of your account: use a new key for a new operation.",
-        JobKeyReused,
-        "was already used on another endpoint",
+        signal=signals.mismatch,
+        with_state=True,
+        problem=KeyUsedElsewhere,
+        detail=(
+            "This idempotency key was already used on another endpoint; a key names one "
+            "operation of your account: use a new key for a new operation."
+        ),
+        job_error=JobKeyReused,
+        job_says="was already used on another endpoint",
     ),
     Found.UNSTORED: Outcome(
-        signals.not_stored,
-        False,
-        ResponseNotStored,
-        "The original request ran and completed, but its response was streamed or larger "
-        "than this endpoint stores (IDEMPOTENCY_MAX_BODY), so it cannot be replayed; it "
-        "was not executed again. Look its result up instead of retrying: a new key would "
-        "run the operation a second time.",
-        JobResultNotStored,
-        "ran, but its result was not storable",
+        signal=signals.not_stored,
+        problem=ResponseNotStored,
+        detail=(
+            "The original request ran and completed, but its response was streamed or larger "
+            "than this endpoint stores (IDEMPOTENCY_MAX_BODY), so it cannot be replayed; it "
+            "was not executed again. Look its result up instead of retrying: a new key would "
+            "run the operation a second time."
+        ),
+        job_error=JobResultNotStored,
+        job_says="ran, but its result was not storable",
     ),
     Found.RUNNING: Outcome(
-        signals.conflict,
-        False,
-        RequestInProgress,
-        _IN_PROGRESS,
-        JobInProgress,
-        "is being run by another worker",
+        signal=signals.conflict,
+        problem=RequestInProgress,
+        detail=_IN_PROGRESS,
+        retry_after=IN_FLIGHT_RETRY_AFTER,
+        job_error=JobInProgress,
+        job_says="is being run by another worker",
     ),
     Found.PENDING: Outcome(
-        signals.pending,
-        True,
-        OutcomePending,
-        "The original request may have taken effect but its outcome is not known; it "
-        "will not be executed again automatically and is being reconciled.",
-        JobOutcomePending,
-        "may have run but its outcome is unknown",
+        signal=signals.pending,
+        with_state=True,
+        problem=OutcomePending,
+        detail=(
+            "The original request may have taken effect but its outcome is not known; it "
+            "will not be executed again automatically and is being reconciled."
+        ),
+        job_error=JobOutcomePending,
+        job_says="may have run but its outcome is unknown",
     ),
     Failure.LEASE_LOST: Outcome(
-        signals.lease_lost,
-        False,
-        RequestInProgress,
-        "This request lost its claim on the idempotency key to a retry; retry to get the result.",
-        JobInProgress,
-        "lost its lease to a re-run; its writes were rolled back",
+        signal=signals.lease_lost,
+        problem=RequestInProgress,
+        detail=(
+            "This request lost its claim on the idempotency key to a retry; retry to get the "
+            "result."
+        ),
+        retry_after=IN_FLIGHT_RETRY_AFTER,
+        job_error=JobInProgress,
+        job_says="lost its lease to a re-run; its writes were rolled back",
     ),
     Failure.WORK_LOST: Outcome(
-        None,
-        False,
-        InternalError,
-        "The request's database transaction ended before the server answered, so its "
-        "work was not recorded. ",
-        JobOutcomePending,
-        "ended its database transaction itself: its result was not recorded and its effect "
-        "is unknown",
+        problem=InternalError,
+        detail=(
+            "The request's database transaction ended before the server answered, so its "
+            "work was not recorded. "
+        ),
+        job_error=JobOutcomePending,
+        job_says=(
+            "ended its database transaction itself: its result was not recorded and its "
+            "effect is unknown"
+        ),
     ),
     Failure.COMMIT_UNCERTAIN: Outcome(
-        None,
-        False,
-        StoreUnavailableProblem,
-        "The database failed while committing the result, which may or may not have been "
-        "recorded. Retry with the same key: the retry replays it or finishes the operation, "
-        "never runs it twice.",
-        None,
-        "",
+        problem=StoreUnavailableProblem,
+        detail=(
+            "The database failed while committing the result, which may or may not have been "
+            "recorded. Retry with the same key: the retry replays it or finishes the operation, "
+            "never runs it twice."
+        ),
     ),
     Failure.STORE_FAILED_UNCHANGED: Outcome(
-        None,
-        False,
-        StoreUnavailableProblem,
-        "The idempotency store failed before the result was committed; nothing was "
-        "changed. Retry with the same key.",
-        None,
-        "",
+        problem=StoreUnavailableProblem,
+        detail=(
+            "The idempotency store failed before the result was committed; nothing was "
+            "changed. Retry with the same key."
+        ),
     ),
     Failure.STORE_FAILED_UNKNOWN: Outcome(
-        None,
-        False,
-        StoreUnavailableProblem,
-        "The idempotency store failed before the result was recorded. The operation may "
-        "have taken effect outside this service; retry with the same key, never a new one.",
-        None,
-        "",
+        problem=StoreUnavailableProblem,
+        detail=(
+            "The idempotency store failed before the result was recorded. The operation may "
+            "have taken effect outside this service; retry with the same key, never a new one."
+        ),
     ),
 }
 
