@@ -59,7 +59,15 @@ from .core.problem import (
     StoredResponseUnreadable,
     StoreUnavailableProblem,
 )
-from .core.record import ClaimResult, Record, Reservation, Scope, State, StoredResponse
+from .core.record import (
+    STORABLE_STATUSES,
+    ClaimResult,
+    Record,
+    Reservation,
+    Scope,
+    State,
+    StoredResponse,
+)
 from .core.scopes import used_elsewhere
 from .lease import Watch
 from .observers import call_observer
@@ -247,6 +255,32 @@ class Outcome:
         if retry_after is None:
             return self.job_error(message)
         return self.job_error(message, retry_after=retry_after)
+
+
+class Ending(enum.Enum):
+    """What the end of a run that held the key leads to (:meth:`Attempt.end_run`)."""
+
+    #: Record its result (:meth:`Attempt.record_result`).
+    RECORD = "record"
+    #: The key is given up; the run's own answer (an error, a refusal, a never-stored status)
+    #: goes out unstored, or the job's exception is raised again.
+    GIVEN_UP = "given_up"
+    #: The key is given up, and the run's answer does not stand for what committed (its
+    #: business transaction ended under it): the row :attr:`Failure.WORK_LOST` answers.
+    WORK_LOST = "work_lost"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """What recording a run's result came to (:meth:`Attempt.record_result`)."""
+
+    #: The result is recorded (as unstored, when there was no snapshot to store).
+    recorded: bool
+    #: The row of :data:`OUTCOMES` that answers instead of the run (None: the run's answer
+    #: goes out, recorded or not).
+    failure: Failure | None = None
+    #: The store's error, when the store failed (a job raises it again).
+    error: StoreUnavailable | None = None
 
 
 def reason(record: Record) -> str | None:
@@ -829,6 +863,99 @@ class Attempt:
 
     # -- after the run -------------------------------------------------------------------
 
+    # -- what a found record means --------------------------------------------------------
+
+    def meet(self, record: Record, *, lease: float) -> Found:
+        """What the record its claim found means for this attempt, decided once for a view and
+        a job: a completed record's replay is reported (its answer is the adapter's: the
+        stored response, the stored value); a re-run is taken over (:attr:`holding` then says
+        whether this attempt won: a loser finds the winner's record in progress on its next
+        claim); any other is a row of :data:`OUTCOMES`, whose event the adapter sends when it
+        answers (:meth:`emit_found`)."""
+        assert self.fingerprint is not None and self.options is not None
+        keys = self.app_state.store.keys
+        found = classify(record, self.fingerprint, self.options.recovery, keys)
+        if found is Found.COMPLETED:
+            assert record.response is not None
+            self.emit(signals.replayed, status=record.response.status)
+        elif found is Found.RERUN:
+            self.take_over(record, lease)  # one winner, the same row: the same downstream keys
+        return found
+
+    # -- the end of the run --------------------------------------------------------------
+
+    def end_run(self, ran: str, *, status: int | None = None) -> Ending:
+        """The view or job that held the key is over: decide, once for both, whether its
+        result is recorded, and give the key up when it is not.
+
+        :param ran: who ran (``"view"``, ``"job"``), for the reason given.
+        :param status: the status of the answer going out (a view's); None for a job.
+        """
+        self.trace_completing()
+        self.stop_watching()
+        self.note_replaced_session()
+        if status is not None:
+            self.mark_rendered(status)
+        if self.work_lost:
+            # It ended its own business transaction before answering: its rows are gone, so
+            # its answer (a 201, say) would be a lie, stored or not.
+            return self._end(Ending.WORK_LOST, f"the {ran} ended its business transaction itself")
+        if self.phase is Phase.CRASHED:
+            return self._end(Ending.GIVEN_UP, f"the {ran} raised an exception")
+        if self.phase is Phase.REFUSED:
+            return self._end(Ending.GIVEN_UP, f"the {ran} refused to run")
+        if self._rolled_back_before_success(status):
+            # The run (or a hook) rolled back what it wrote, then answered a success: the
+            # answer does not stand for what committed. (An error answer after a rollback does.)
+            reason = "the business transaction was rolled back before a success"
+            return self._end(Ending.WORK_LOST, reason)
+        never_store = self.app_state.settings.never_store
+        if status is not None and (status in never_store or status not in STORABLE_STATUSES):
+            return self._end(Ending.GIVEN_UP, f"status {status} is never stored")
+        if self.atomic and self.session is not None and not self.session.in_transaction():
+            # An error handler rolled db.session back after the view raised an HTTPException:
+            # the atomic claim went with it, and nothing of the attempt is left. Its answer goes
+            # out unstored; the key is free, so a retry runs the view again.
+            reason = "the business transaction was rolled back before the answer"
+            return self._end(Ending.GIVEN_UP, reason)
+        if self.note_ended_below():
+            # The driver committed or rolled back under the run: its rows did not commit with
+            # its answer, so that answer must never be stored (nor the key given back).
+            reason = f"the {ran} ended its business transaction below SQLAlchemy"
+            return self._end(Ending.WORK_LOST, reason)
+        return Ending.RECORD
+
+    def _rolled_back_before_success(self, status: int | None) -> bool:
+        if not self.rolled_back or (status is not None and status >= 400):
+            return False
+        # An atomic view that went on in a new transaction lost its claim with the old one: its
+        # completion finds the reservation gone (409 lease lost, its later writes roll back).
+        return not (self.atomic and self.in_transaction)
+
+    def _end(self, ending: Ending, reason: str) -> Ending:
+        self.give_up(reason)
+        return ending
+
+    def record_result(self, snapshot: StoredResponse | None, *, ran: str, status: int) -> Recording:
+        """Record the run's result (:meth:`complete`; ``snapshot`` None: ran, not storable),
+        and say what answers it: the run's own answer, or a row of :data:`OUTCOMES` (its
+        event sent) when the lease was lost or the store failed.
+
+        :param ran: who ran (``"view"``, ``"job"``), for the reason given.
+        :param status: the status the completion event reports.
+        """
+        try:
+            stored = self.complete(snapshot)
+        except StoreUnavailable as exc:
+            return Recording(False, self._record_failed(exc, ran=ran), exc)
+        if not stored:
+            # The lease expired and a retry took the record over: the run's writes in the
+            # business transaction are rolled back and the operation belongs to the new owner.
+            self.emit_found(Failure.LEASE_LOST)
+            return Recording(False, Failure.LEASE_LOST)
+        self.emit(signals.completed, status=status, stored=snapshot is not None)
+        return Recording(True)
+
     def note_ended_below(self) -> bool:
         """The view ended its business transaction below SQLAlchemy (the driver's ``commit()``
         or ``rollback()``, a ``COMMIT`` through a raw cursor): its rows did not commit with its
@@ -910,7 +1037,7 @@ class Attempt:
         # The token no longer owns the record (a retry took it over): nothing changed here.
         self.emit(signal if done else signals.lease_lost, reason=reason)
 
-    def record_failed(self, error: StoreUnavailable, *, ran: str) -> Failure | None:
+    def _record_failed(self, error: StoreUnavailable, *, ran: str) -> Failure | None:
         """The result could not be recorded (:meth:`complete` raised ``error``): report it
         once, give the key up, and say which row of :data:`OUTCOMES` answers it.
 

@@ -91,7 +91,7 @@ from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
 
-from ..attempt import OUTCOMES, Attempt, Failure, Found, Phase, classify
+from ..attempt import OUTCOMES, Attempt, Ending, Failure, Found, Phase
 from ..core import signals
 from ..core.body import read_body
 from ..core.config import Settings
@@ -108,7 +108,7 @@ from ..core.problem import (
     StoreUnavailableProblem,
     TenantUnresolved,
 )
-from ..core.record import STORABLE_STATUSES, Record, Scope, StoredResponse
+from ..core.record import Record, Scope, StoredResponse
 from ..core.scopes import PrincipalInvalid, account_fingerprint, namespace, resolve_principal
 from ..core.snapshot import response_snapshot
 from ..sessions import has_unmanaged_writes
@@ -275,18 +275,13 @@ def answer_existing(
 ) -> Response | None:
     """What a claim that found a record leads to: a problem (raised), a replay, or None: the
     attempt took the record over (it holds the key), or claims again after a short wait."""
-    assert attempt.fingerprint is not None
-    keys = attempt.app_state.store.keys
-    found = classify(record, attempt.fingerprint, options.recovery, keys)
+    settings = attempt.app_state.settings
+    found = attempt.meet(record, lease=settings.lease)
     if found is Found.COMPLETED:
         assert record.response is not None
-        attempt.emit(signals.replayed, status=record.response.status)
-        settings = attempt.app_state.settings
         return replay(record.response, options, settings.stored_headers, record.kept_for)
     if found is Found.RERUN:
-        # One winner: a loser claims again and finds the winner's record in progress.
-        attempt.take_over(record, attempt.app_state.settings.lease)
-        return None
+        return None  # the winner runs the view; a loser claims again and finds it in progress
     if found is Found.RUNNING and time.monotonic() < deadline:
         time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
         return None
@@ -474,37 +469,21 @@ class Refusal(HTTPException):
 
 
 def finish(attempt: Attempt, response: Response) -> Response:
-    """``after_request`` (through :func:`.guard.finish`): complete the record with the
-    response, or give up."""
+    """``after_request`` (through :func:`.guard.finish`): what the attempt decided at the end
+    of the view (:meth:`~flask_idem.attempt.Attempt.end_run`, :meth:`~flask_idem.attempt.
+    Attempt.record_result`), answered over HTTP."""
     app_state = attempt.app_state
     echo_key(app_state.settings, response, attempt.echoed_key)
     if attempt.phase is Phase.FINISHED:
         return response
     if not attempt.holding:
         return _settle_unclaimed(attempt, response)
-    attempt.trace_completing()
-    attempt.stop_watching()
-    attempt.note_replaced_session()
-    attempt.mark_rendered(response.status_code)
-    if attempt.work_lost:
-        # The view ended its own business transaction before answering: its rows are gone,
-        # so its answer (a 201, say) would be a lie, stored or not.
-        return _unrecorded(attempt, "the view ended its business transaction itself")
-    if attempt.phase is Phase.CRASHED:
-        attempt.give_up("the view raised an exception")
-        return unreplayed(response)
-    if attempt.phase is Phase.REFUSED:
-        attempt.give_up("the view refused the request")
-        return unreplayed(response)
-    if _rolled_back_before_success(attempt, response):
-        # The view (or a hook) rolled back what it wrote, then answered a success: the
-        # answer does not stand for what committed. (An error answer after a rollback does.)
-        return _unrecorded(attempt, "the business transaction was rolled back before a success")
-    if (
-        response.status_code in app_state.settings.never_store
-        or response.status_code not in STORABLE_STATUSES
-    ):
-        attempt.give_up(f"status {response.status_code} is never stored")
+    ending = attempt.end_run("view", status=response.status_code)
+    if ending is Ending.WORK_LOST:
+        # The view's answer does not stand for what committed: a 500 says what happened.
+        problem = InternalError(OUTCOMES[Failure.WORK_LOST].detail + _crash_outcome(attempt))
+        return unreplayed(problem_response(app_state, attempt, problem))
+    if ending is Ending.GIVEN_UP:
         return unreplayed(response)
     if app_state.unmanaged_db is not None and has_unmanaged_writes(app_state.unmanaged_db):
         log.warning(
@@ -513,35 +492,10 @@ def finish(attempt: Attempt, response: Response) -> Response:
             "stored answer), or commit them in the view",
             extra={"key_hash": key_hash(t.cast(Scope, attempt.scope))},
         )
-    if attempt.atomic and attempt.session is not None and not attempt.session.in_transaction():
-        # An error handler rolled db.session back after the view raised an HTTPException:
-        # the atomic claim went with it, and nothing of the attempt is left. Its answer goes
-        # out unstored; the key is free, so a retry runs the view again.
-        attempt.give_up("the business transaction was rolled back before the answer")
-        return unreplayed(response)
-    if attempt.note_ended_below():
-        # The driver committed or rolled back under the view: its rows did not commit with
-        # this answer, so it must never be stored (nor the key given back).
-        return _unrecorded(attempt, "the view ended its business transaction below SQLAlchemy")
-    return _complete(attempt, response)
+    return _record(attempt, response)
 
 
-def _rolled_back_before_success(attempt: Attempt, response: Response) -> bool:
-    if not attempt.rolled_back or response.status_code >= 400:
-        return False
-    # An atomic view that went on in a new transaction lost its claim with the old one: its
-    # completion finds the reservation gone (409 lease lost, its later writes roll back).
-    return not (attempt.atomic and attempt.in_transaction)
-
-
-def _unrecorded(attempt: Attempt, reason: str) -> Response:
-    """Give the key up and answer 500: the view's answer does not stand for what committed."""
-    attempt.give_up(reason)
-    problem = InternalError(OUTCOMES[Failure.WORK_LOST].detail + _crash_outcome(attempt))
-    return unreplayed(problem_response(attempt.app_state, attempt, problem))
-
-
-def _complete(attempt: Attempt, response: Response) -> Response:
+def _record(attempt: Attempt, response: Response) -> Response:
     assert attempt.scope is not None
     snapshot = response_snapshot(attempt.app_state.settings, response)
     if snapshot is None and 400 <= response.status_code < 500 and attempt.releasable:
@@ -550,21 +504,14 @@ def _complete(attempt: Attempt, response: Response) -> Response:
         # every retry of a request that only needs fixing. Given back, a retry gets it again.
         attempt.give_up("its 4xx answer is too large to store")
         return unreplayed(response)
-    try:
-        stored = attempt.complete(snapshot)
-    except StoreUnavailable as exc:
-        failure = attempt.record_failed(exc, ran="view")
-        if failure is None:
-            return unreplayed(response)  # the client still learns what happened; retries 409
-        answer = problem_response(attempt.app_state, attempt, OUTCOMES[failure].http())
+    recording = attempt.record_result(snapshot, ran="view", status=response.status_code)
+    if recording.failure is not None:
+        problem = OUTCOMES[recording.failure].http()
+        answer = problem_response(attempt.app_state, attempt, problem)
         # After a failed commit the view's answer may be stored after all: no promise.
-        return answer if failure is Failure.COMMIT_UNCERTAIN else unreplayed(answer)
-    if not stored:
-        # The lease expired and a retry took the record over: this request's writes in the
-        # business transaction are rolled back and the operation belongs to the new owner.
-        problem = attempt.emit_found(Failure.LEASE_LOST).http()
-        return unreplayed(problem_response(attempt.app_state, attempt, problem))
-    attempt.emit(signals.completed, status=response.status_code, stored=snapshot is not None)
+        return answer if recording.failure is Failure.COMMIT_UNCERTAIN else unreplayed(answer)
+    if not recording.recorded:
+        return unreplayed(response)  # the client still learns what happened; retries 409
     if snapshot is None:
         log.warning(
             "response not stored (streamed or larger than IDEMPOTENCY_MAX_BODY); "
