@@ -34,7 +34,12 @@ from blinker import NamedSignal
 from flask import g
 
 from . import events
-from .commits import committed_elsewhere, count_commits_from_now, ended_outside
+from .commits import (
+    committed_elsewhere,
+    count_commits_from_now,
+    count_ends_from_start,
+    ended_outside,
+)
 from .core import signals
 from .core.errors import (
     JobError,
@@ -73,10 +78,7 @@ from .lease import Watch
 from .observers import call_observer
 from .sessions import replaced, roll_back_fresh
 from .state import ATTEMPT_SLOT, SESSION_ATTEMPT, AppState, Trace, current_attempt
-from .store import commit_count
-from .store.engines import OneDeadline
-from .store.messages import redacted
-from .store.sql import translate_errors
+from .store import OneDeadline, Tally, redacted, translate_errors
 
 log = logging.getLogger("flask_idem")
 
@@ -485,7 +487,7 @@ class Attempt:
     claimed_around_view: bool = False
     #: The driver-level commits this attempt's context made on the store's engine, counted
     #: from its claim (:mod:`.store.commit_count`).
-    tally: commit_count.Tally | None = None
+    tally: Tally | None = None
     #: How its view or job ended: the phase it left :attr:`Phase.RUNNING` for (``ANSWERED``,
     #: ``REFUSED``, ``CRASHED``), or ``CRASHED`` once code around the guard went on from its
     #: refusal (:meth:`went_on`). A later move (an exception after the answer) keeps it.
@@ -692,7 +694,7 @@ class Attempt:
                     )
         elif self.connection is None:
             self.connection = app_state.store.begin()
-            commit_count.zero(self.connection)  # a commit below it counts from its start
+            count_ends_from_start(self.connection)
         return self.connection
 
     def attach_session(self) -> t.Any:

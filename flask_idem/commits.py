@@ -272,6 +272,12 @@ def count_commits_from_now(attempt: Attempt) -> None:
         commit_count.zero(connection)
 
 
+def count_ends_from_start(connection: sa.Connection) -> None:
+    """A business transaction opened after the claim: an end of it below SQLAlchemy counts
+    from its start."""
+    commit_count.zero(connection)
+
+
 def committed_elsewhere(attempt: Attempt) -> bool:
     """Whether the attempt's context committed below SQLAlchemy on some connection of the
     store's engine (``commit()`` of a driver connection, a raw cursor's ``COMMIT``)."""

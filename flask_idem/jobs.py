@@ -67,7 +67,7 @@ from .core.idempotency_keys import check_key, key_hash
 from .core.options import JobArgument, JobOptions
 from .core.record import Record, StoredResponse
 from .state import AppState
-from .store.sql import translate_errors
+from .store import translate_errors
 
 P = t.ParamSpec("P")
 R = t.TypeVar("R")

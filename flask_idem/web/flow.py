@@ -113,8 +113,7 @@ from ..core.scopes import PrincipalInvalid, account_fingerprint, namespace, reso
 from ..core.snapshot import response_snapshot
 from ..sessions import has_unmanaged_writes
 from ..state import AppState
-from ..store.messages import redacted
-from ..store.sql import translate_errors
+from ..store import redacted, translate_errors
 from .key_limit import KeyLimit
 
 _WAIT_STEP = 0.05
