@@ -17,8 +17,12 @@ business transaction back, and release the key only when the attempt provably co
 nothing: it declared its effects, had not yet declared contact with the outside world, and
 committed nothing itself; else mark it ``unknown``).
 
-What a found record or a failure after the run leads to is one table, :data:`OUTCOMES`: its
-event, its HTTP answer (a view) and its job answer (a job). The callers only render the row.
+Both callers share every decision: :meth:`~Attempt.meet` (what a found record means),
+:meth:`~Attempt.end_run` (at the end of the run: give the key up, or record) and
+:meth:`~Attempt.record_result` (record it, or name the failure). What a found record or a
+failure after the run leads to is one table, :data:`OUTCOMES`: its event, its HTTP answer (a
+view) and its job answer (a job). The callers only translate: they render the row, replay a
+completed record, or answer what the run produced.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ The guard (:mod:`.guard`) calls in when Flask dispatches to a protected view, af
             already holding the key answers instead of the view (``answer_existing``);
 ``run``     the view runs; an exception it raises marks the request *crashed*, whatever error
             handler renders it afterwards (a raised ``HTTPException`` is an answer, not a crash);
-``finish``  (``after_request``) store the snapshot, committed with the business transaction,
-            or give the key up;
+``finish``  (``after_request``) answer what the attempt decided at the end of the view
+            (:meth:`~flask_idem.attempt.Attempt.end_run`): the snapshot stored, committed with
+            the business transaction, or the key given up;
 ``teardown`` a request that never reached ``finish`` (``SystemExit`` from gunicorn's worker
             timeout or SIGQUIT/SIGINT, ``KeyboardInterrupt``, propagated exceptions) gives up.
 
@@ -24,11 +25,11 @@ way: committed with a storable answer, rolled back otherwise. flask_idem's own a
 409, 413, 422, 503) are returned by the guard, never raised through the application's error
 handlers.
 
-The decisions that do not depend on HTTP (what an existing record leads to, giving up,
-recording the result) live in :mod:`flask_idem.attempt`, shared with background jobs
-(:mod:`flask_idem.jobs`), so that a view and a job follow one outcome model: what to do next is
-read from the attempt's phase, and what a found record or a failure answers from
-:data:`flask_idem.attempt.OUTCOMES` (its HTTP column).
+The decisions that do not depend on HTTP (what an existing record leads to, whether the
+result is recorded or the key given up, recording it) live in :mod:`flask_idem.attempt`,
+shared with background jobs (:mod:`flask_idem.jobs`), so that a view and a job follow one
+outcome model: what to do next is read from the attempt's phase, and what a found record or a
+failure answers from :data:`flask_idem.attempt.OUTCOMES` (its HTTP column).
 
 The outcome table (the behaviour contract; README mirrors it):
 
