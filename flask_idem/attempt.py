@@ -17,8 +17,12 @@ business transaction back, and release the key only when the attempt provably co
 nothing: it declared its effects, had not yet declared contact with the outside world, and
 committed nothing itself; else mark it ``unknown``).
 
-What a found record or a failure after the run leads to is one table, :data:`OUTCOMES`: its
-event, its HTTP answer (a view) and its job answer (a job). The callers only render the row.
+Both callers share every decision: :meth:`~Attempt.meet` (what a found record means),
+:meth:`~Attempt.end_run` (at the end of the run: give the key up, or record) and
+:meth:`~Attempt.record_result` (record it, or name the failure). What a found record or a
+failure after the run leads to is one table, :data:`OUTCOMES`: its event, its HTTP answer (a
+view) and its job answer (a job). The callers only translate: they render the row, replay a
+completed record, or answer what the run produced.
 """
 
 from __future__ import annotations
@@ -34,7 +38,12 @@ from blinker import NamedSignal
 from flask import g
 
 from . import events
-from .commits import committed_elsewhere, count_commits_from_now, ended_outside
+from .commits import (
+    committed_elsewhere,
+    count_commits_from_now,
+    count_ends_from_start,
+    ended_outside,
+)
 from .core import signals
 from .core.errors import (
     JobError,
@@ -59,16 +68,21 @@ from .core.problem import (
     StoredResponseUnreadable,
     StoreUnavailableProblem,
 )
-from .core.record import ClaimResult, Record, Reservation, Scope, State, StoredResponse
+from .core.record import (
+    STORABLE_STATUSES,
+    ClaimResult,
+    Record,
+    Reservation,
+    Scope,
+    State,
+    StoredResponse,
+)
 from .core.scopes import used_elsewhere
 from .lease import Watch
 from .observers import call_observer
 from .sessions import replaced, roll_back_fresh
 from .state import ATTEMPT_SLOT, SESSION_ATTEMPT, AppState, Trace, current_attempt
-from .store import commit_count
-from .store.engines import OneDeadline
-from .store.messages import redacted
-from .store.sql import translate_errors
+from .store import OneDeadline, Tally, redacted, translate_errors
 
 log = logging.getLogger("flask_idem")
 
@@ -203,33 +217,37 @@ def classify(record: Record, digest: bytes, recovery: Recovery, keys: KeyDigest)
     return Found.RERUN
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Outcome:
     """One row of the outcome table: the event, the log record, the HTTP answer and the job
     answer."""
 
-    #: The transition it is (None: no event; giving the key up reports its own).
-    signal: NamedSignal | None
-    #: The event carries the found record's state.
-    with_state: bool
     #: A view's answer: the problem and its detail.
     problem: type[Problem]
     detail: str
+    #: The ``Retry-After`` seconds the problem hints (None: none).
+    retry_after: int | None = None
+    #: The transition it is (None: no event; giving the key up reports its own).
+    signal: NamedSignal | None = None
+    #: The event carries the found record's state.
+    with_state: bool = False
     #: A job's answer: the error it raises (None: the store's own error, raised again) and
     #: what it says of the message (``{reason}``: what is wrong with the record).
-    job_error: type[JobError] | None
-    job_says: str
+    job_error: type[JobError] | None = None
+    job_says: str = ""
+    #: A job's countdown whatever the lease says (an operator's repair takes its time).
+    job_retry_after: float | None = None
     #: An error logged with the record's reason (``%s``), for a record nobody can act on
     #: until an operator does.
     log: str | None = None
-    #: A job's countdown whatever the lease says (an operator's repair takes its time).
-    job_retry_after: float | None = None
 
     def http(self) -> Problem:
         """The problem a view answers."""
-        if self.problem is RequestInProgress:
-            return RequestInProgress(self.detail, retry_after=IN_FLIGHT_RETRY_AFTER)
-        return self.problem(self.detail)
+        if self.retry_after is None:
+            return self.problem(self.detail)
+        # The problems that hint a retry take it as a keyword (see :mod:`.core.problem`).
+        hinting = t.cast("t.Callable[..., Problem]", self.problem)
+        return hinting(self.detail, retry_after=self.retry_after)
 
     def job(
         self, scope: Scope, *, reason: str | None = None, retry_after: float | None = None
@@ -243,6 +261,32 @@ class Outcome:
         if retry_after is None:
             return self.job_error(message)
         return self.job_error(message, retry_after=retry_after)
+
+
+class Ending(enum.Enum):
+    """What the end of a run that held the key leads to (:meth:`Attempt.end_run`)."""
+
+    #: Record its result (:meth:`Attempt.record_result`).
+    RECORD = "record"
+    #: The key is given up; the run's own answer (an error, a refusal, a never-stored status)
+    #: goes out unstored, or the job's exception is raised again.
+    GIVEN_UP = "given_up"
+    #: The key is given up, and the run's answer does not stand for what committed (its
+    #: business transaction ended under it): the row :attr:`Failure.WORK_LOST` answers.
+    WORK_LOST = "work_lost"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """What recording a run's result came to (:meth:`Attempt.record_result`)."""
+
+    #: The result is recorded (as unstored, when there was no snapshot to store).
+    recorded: bool
+    #: The row of :data:`OUTCOMES` that answers instead of the run (None: the run's answer
+    #: goes out, recorded or not).
+    failure: Failure | None = None
+    #: The store's error, when the store failed (a job raises it again).
+    error: StoreUnavailable | None = None
 
 
 def reason(record: Record) -> str | None:
@@ -260,118 +304,124 @@ _UNREADABLE = (
 #: lead to. (A completed record is replayed, a re-run taken over: see the callers.)
 OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
     Found.DAMAGED: Outcome(
-        None,
-        False,
-        StoredResponseUnreadable,
-        _UNREADABLE,
-        JobResultUnreadable,
-        "has a stored record that is damaged ({reason}); redeliver once an operator has "
-        "repaired or deleted it",
-        log="stored record damaged: %s",
+        problem=StoredResponseUnreadable,
+        detail=_UNREADABLE,
+        job_error=JobResultUnreadable,
+        job_says=(
+            "has a stored record that is damaged ({reason}); redeliver once an operator has "
+            "repaired or deleted it"
+        ),
         job_retry_after=30,
+        log="stored record damaged: %s",
     ),
     Found.UNREADABLE: Outcome(
-        None,
-        False,
-        StoredResponseUnreadable,
-        _UNREADABLE,
-        JobResultUnreadable,
-        "ran, but its stored result cannot be decrypted here ({reason}); redeliver once the "
-        "key is configured",
-        log="stored result unreadable: %s",
+        problem=StoredResponseUnreadable,
+        detail=_UNREADABLE,
+        job_error=JobResultUnreadable,
+        job_says=(
+            "ran, but its stored result cannot be decrypted here ({reason}); redeliver once "
+            "the key is configured"
+        ),
         job_retry_after=30,
+        log="stored result unreadable: %s",
     ),
     Found.MISMATCH: Outcome(
-        signals.mismatch,
-        True,
-        KeyReused,
-        "This idempotency key was already used with a different request; "
-        "use a new key for a new operation.",
-        JobKeyReused,
-        "was already used with other arguments",
+        signal=signals.mismatch,
+        with_state=True,
+        problem=KeyReused,
+        detail=(
+            "This idempotency key was already used with a different request; "
+            "use a new key for a new operation."
+        ),
+        job_error=JobKeyReused,
+        job_says="was already used with other arguments",
     ),
     Found.ELSEWHERE: Outcome(
-        signals.mismatch,
-        True,
-        KeyUsedElsewhere,
-        "This idempotency key was already used on another endpoint; a key names one "
-        "operation of your account: use a new key for a new operation.",
-        JobKeyReused,
-        "was already used on another endpoint",
+        signal=signals.mismatch,
+        with_state=True,
+        problem=KeyUsedElsewhere,
+        detail=(
+            "This idempotency key was already used on another endpoint; a key names one "
+            "operation of your account: use a new key for a new operation."
+        ),
+        job_error=JobKeyReused,
+        job_says="was already used on another endpoint",
     ),
     Found.UNSTORED: Outcome(
-        signals.not_stored,
-        False,
-        ResponseNotStored,
-        "The original request ran and completed, but its response was streamed or larger "
-        "than this endpoint stores (IDEMPOTENCY_MAX_BODY), so it cannot be replayed; it "
-        "was not executed again. Look its result up instead of retrying: a new key would "
-        "run the operation a second time.",
-        JobResultNotStored,
-        "ran, but its result was not storable",
+        signal=signals.not_stored,
+        problem=ResponseNotStored,
+        detail=(
+            "The original request ran and completed, but its response was streamed or larger "
+            "than this endpoint stores (IDEMPOTENCY_MAX_BODY), so it cannot be replayed; it "
+            "was not executed again. Look its result up instead of retrying: a new key would "
+            "run the operation a second time."
+        ),
+        job_error=JobResultNotStored,
+        job_says="ran, but its result was not storable",
     ),
     Found.RUNNING: Outcome(
-        signals.conflict,
-        False,
-        RequestInProgress,
-        _IN_PROGRESS,
-        JobInProgress,
-        "is being run by another worker",
+        signal=signals.conflict,
+        problem=RequestInProgress,
+        detail=_IN_PROGRESS,
+        retry_after=IN_FLIGHT_RETRY_AFTER,
+        job_error=JobInProgress,
+        job_says="is being run by another worker",
     ),
     Found.PENDING: Outcome(
-        signals.pending,
-        True,
-        OutcomePending,
-        "The original request may have taken effect but its outcome is not known; it "
-        "will not be executed again automatically and is being reconciled.",
-        JobOutcomePending,
-        "may have run but its outcome is unknown",
+        signal=signals.pending,
+        with_state=True,
+        problem=OutcomePending,
+        detail=(
+            "The original request may have taken effect but its outcome is not known; it "
+            "will not be executed again automatically and is being reconciled."
+        ),
+        job_error=JobOutcomePending,
+        job_says="may have run but its outcome is unknown",
     ),
     Failure.LEASE_LOST: Outcome(
-        signals.lease_lost,
-        False,
-        RequestInProgress,
-        "This request lost its claim on the idempotency key to a retry; retry to get the result.",
-        JobInProgress,
-        "lost its lease to a re-run; its writes were rolled back",
+        signal=signals.lease_lost,
+        problem=RequestInProgress,
+        detail=(
+            "This request lost its claim on the idempotency key to a retry; retry to get the "
+            "result."
+        ),
+        retry_after=IN_FLIGHT_RETRY_AFTER,
+        job_error=JobInProgress,
+        job_says="lost its lease to a re-run; its writes were rolled back",
     ),
     Failure.WORK_LOST: Outcome(
-        None,
-        False,
-        InternalError,
-        "The request's database transaction ended before the server answered, so its "
-        "work was not recorded. ",
-        JobOutcomePending,
-        "ended its database transaction itself: its result was not recorded and its effect "
-        "is unknown",
+        problem=InternalError,
+        detail=(
+            "The request's database transaction ended before the server answered, so its "
+            "work was not recorded. "
+        ),
+        job_error=JobOutcomePending,
+        job_says=(
+            "ended its database transaction itself: its result was not recorded and its "
+            "effect is unknown"
+        ),
     ),
     Failure.COMMIT_UNCERTAIN: Outcome(
-        None,
-        False,
-        StoreUnavailableProblem,
-        "The database failed while committing the result, which may or may not have been "
-        "recorded. Retry with the same key: the retry replays it or finishes the operation, "
-        "never runs it twice.",
-        None,
-        "",
+        problem=StoreUnavailableProblem,
+        detail=(
+            "The database failed while committing the result, which may or may not have been "
+            "recorded. Retry with the same key: the retry replays it or finishes the operation, "
+            "never runs it twice."
+        ),
     ),
     Failure.STORE_FAILED_UNCHANGED: Outcome(
-        None,
-        False,
-        StoreUnavailableProblem,
-        "The idempotency store failed before the result was committed; nothing was "
-        "changed. Retry with the same key.",
-        None,
-        "",
+        problem=StoreUnavailableProblem,
+        detail=(
+            "The idempotency store failed before the result was committed; nothing was "
+            "changed. Retry with the same key."
+        ),
     ),
     Failure.STORE_FAILED_UNKNOWN: Outcome(
-        None,
-        False,
-        StoreUnavailableProblem,
-        "The idempotency store failed before the result was recorded. The operation may "
-        "have taken effect outside this service; retry with the same key, never a new one.",
-        None,
-        "",
+        problem=StoreUnavailableProblem,
+        detail=(
+            "The idempotency store failed before the result was recorded. The operation may "
+            "have taken effect outside this service; retry with the same key, never a new one."
+        ),
     ),
 }
 
@@ -392,7 +442,8 @@ class Attempt:
     app_state: AppState
     scope: Scope | None
     options: ViewOptions | JobOptions | None
-    #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``).
+    #: What to echo in the key header when there is no valid key (see ``echo_of_invalid``);
+    #: :attr:`echoed_key` is what its answers echo.
     echo: str | None = None
     #: The request's fingerprint, once computed (events carry a prefix of it).
     fingerprint: bytes | None = None
@@ -434,15 +485,17 @@ class Attempt:
     view_started: float | None = None
     #: The tracer's view of this attempt, when one follows it (:meth:`start_trace`).
     trace: Trace | None = None
-    #: The claim was made by the outer guard around the whole view function (not by the
-    #: view's own ``@idem.idempotent``, which the guard search did not find).
+    #: Its claim is made by the outer guard around the whole view function (blueprint-wide or
+    #: app-wide protection), not by a view's own ``@idem.idempotent``: a guard of the view's
+    #: found under it refuses to run (the decorators between them would come too late).
     claimed_around_view: bool = False
     #: The driver-level commits this attempt's context made on the store's engine, counted
     #: from its claim (:mod:`.store.commit_count`).
-    tally: commit_count.Tally | None = None
-    #: ``idem.refuse()`` ended the view or job, and nothing around the guard went on after it
-    #: (see :meth:`went_on`).
-    _refusal_stands: bool = dataclasses.field(default=False, init=False)
+    tally: Tally | None = None
+    #: How its view or job ended: the phase it left :attr:`Phase.RUNNING` for (``ANSWERED``,
+    #: ``REFUSED``, ``CRASHED``), or ``CRASHED`` once code around the guard went on from its
+    #: refusal (:meth:`went_on`). A later move (an exception after the answer) keeps it.
+    ended: Phase | None = dataclasses.field(default=None, init=False)
     #: True while flask_idem itself commits or rolls the business transaction back: the
     #: commit guard and the session's listeners leave that to it.
     _settling: bool = dataclasses.field(default=False, init=False)
@@ -453,6 +506,8 @@ class Attempt:
     # -- the phase ---------------------------------------------------------------------
 
     def _move(self, to: Phase) -> None:
+        if self.phase is Phase.RUNNING and to is not Phase.FINISHED:
+            self.ended = to
         self.phase = advance(self.phase, to)
 
     @property
@@ -479,7 +534,7 @@ class Attempt:
     @property
     def refused(self) -> bool:
         """``idem.refuse()`` ended its view or job, which therefore did nothing."""
-        return self._refusal_stands
+        return self.ended is Phase.REFUSED
 
     def mark_answered(self, raised: int | None = None) -> None:
         """The view returned, or raised an ``HTTPException`` with status ``raised``."""
@@ -500,17 +555,21 @@ class Attempt:
         """``idem.refuse()`` ended the view or job."""
         if self.phase is Phase.RUNNING:
             self._move(Phase.REFUSED)
-            self._refusal_stands = True
         elif self.phase in (Phase.UNCLAIMED, Phase.CLAIMING):
             self._move(Phase.FAILED)
 
     def went_on(self) -> None:
-        """Code around the guard (a decorator above ``@idem.idempotent``) caught the refusal
-        and went on: it returned, aborted or raised on its own, after a call nobody declared,
-        perhaps. The refusal no longer proves the attempt did nothing, so it no longer gives
-        the key back. An exception after the answer (an ``after_request`` hook) is no such
-        thing: it leaves the refusal standing."""
-        self._refusal_stands = False
+        """Code around the guard (a decorator above ``@idem.idempotent``) went on after the
+        view: when the view refused, that code caught the refusal and returned, aborted or
+        raised on its own, after a call nobody declared, perhaps. Then the refusal is an
+        exception someone else rendered: ``REFUSED -> CRASHED``, given up, and no longer
+        proof that the attempt did nothing, so it no longer gives the key back. (Its answer is
+        never stored: it answers for code around the operation, not for the operation.) An
+        exception after the answer (an ``after_request`` hook) is no such thing: it leaves the
+        refusal standing (:meth:`mark_crashed`)."""
+        if self.phase is Phase.REFUSED:
+            self._move(Phase.CRASHED)
+            self.ended = Phase.CRASHED
 
     def mark_crashed(self) -> None:
         """The view or job raised, or an exception followed its answer (never undone: a
@@ -639,7 +698,7 @@ class Attempt:
                     )
         elif self.connection is None:
             self.connection = app_state.store.begin()
-            commit_count.zero(self.connection)  # a commit below it counts from its start
+            count_ends_from_start(self.connection)
         return self.connection
 
     def attach_session(self) -> t.Any:
@@ -711,6 +770,12 @@ class Attempt:
         if self.contacted or self.options is None:
             return False
         return self.refused or self.options.release_before_contact
+
+    @property
+    def echoed_key(self) -> str | None:
+        """The key its answers echo: the one it claims with, else the request's invalid key
+        as it may be echoed (:attr:`echo`)."""
+        return self.scope.key if self.scope is not None else self.echo
 
     @property
     def ttl(self) -> float:
@@ -804,6 +869,99 @@ class Attempt:
 
     # -- after the run -------------------------------------------------------------------
 
+    # -- what a found record means --------------------------------------------------------
+
+    def meet(self, record: Record, *, lease: float) -> Found:
+        """What the record its claim found means for this attempt, decided once for a view and
+        a job: a completed record's replay is reported (its answer is the adapter's: the
+        stored response, the stored value); a re-run is taken over (:attr:`holding` then says
+        whether this attempt won: a loser finds the winner's record in progress on its next
+        claim); any other is a row of :data:`OUTCOMES`, whose event the adapter sends when it
+        answers (:meth:`emit_found`)."""
+        assert self.fingerprint is not None and self.options is not None
+        keys = self.app_state.store.keys
+        found = classify(record, self.fingerprint, self.options.recovery, keys)
+        if found is Found.COMPLETED:
+            assert record.response is not None
+            self.emit(signals.replayed, status=record.response.status)
+        elif found is Found.RERUN:
+            self.take_over(record, lease)  # one winner, the same row: the same downstream keys
+        return found
+
+    # -- the end of the run --------------------------------------------------------------
+
+    def end_run(self, ran: str, *, status: int | None = None) -> Ending:
+        """The view or job that held the key is over: decide, once for both, whether its
+        result is recorded, and give the key up when it is not.
+
+        :param ran: who ran (``"view"``, ``"job"``), for the reason given.
+        :param status: the status of the answer going out (a view's); None for a job.
+        """
+        self.trace_completing()
+        self.stop_watching()
+        self.note_replaced_session()
+        if status is not None:
+            self.mark_rendered(status)
+        if self.work_lost:
+            # It ended its own business transaction before answering: its rows are gone, so
+            # its answer (a 201, say) would be a lie, stored or not.
+            return self._end(Ending.WORK_LOST, f"the {ran} ended its business transaction itself")
+        if self.phase is Phase.CRASHED:
+            return self._end(Ending.GIVEN_UP, f"the {ran} raised an exception")
+        if self.phase is Phase.REFUSED:
+            return self._end(Ending.GIVEN_UP, f"the {ran} refused to run")
+        if self._rolled_back_before_success(status):
+            # The run (or a hook) rolled back what it wrote, then answered a success: the
+            # answer does not stand for what committed. (An error answer after a rollback does.)
+            reason = "the business transaction was rolled back before a success"
+            return self._end(Ending.WORK_LOST, reason)
+        never_store = self.app_state.settings.never_store
+        if status is not None and (status in never_store or status not in STORABLE_STATUSES):
+            return self._end(Ending.GIVEN_UP, f"status {status} is never stored")
+        if self.atomic and self.session is not None and not self.session.in_transaction():
+            # An error handler rolled db.session back after the view raised an HTTPException:
+            # the atomic claim went with it, and nothing of the attempt is left. Its answer goes
+            # out unstored; the key is free, so a retry runs the view again.
+            reason = "the business transaction was rolled back before the answer"
+            return self._end(Ending.GIVEN_UP, reason)
+        if self.note_ended_below():
+            # The driver committed or rolled back under the run: its rows did not commit with
+            # its answer, so that answer must never be stored (nor the key given back).
+            reason = f"the {ran} ended its business transaction below SQLAlchemy"
+            return self._end(Ending.WORK_LOST, reason)
+        return Ending.RECORD
+
+    def _rolled_back_before_success(self, status: int | None) -> bool:
+        if not self.rolled_back or (status is not None and status >= 400):
+            return False
+        # An atomic view that went on in a new transaction lost its claim with the old one: its
+        # completion finds the reservation gone (409 lease lost, its later writes roll back).
+        return not (self.atomic and self.in_transaction)
+
+    def _end(self, ending: Ending, reason: str) -> Ending:
+        self.give_up(reason)
+        return ending
+
+    def record_result(self, snapshot: StoredResponse | None, *, ran: str, status: int) -> Recording:
+        """Record the run's result (:meth:`complete`; ``snapshot`` None: ran, not storable),
+        and say what answers it: the run's own answer, or a row of :data:`OUTCOMES` (its
+        event sent) when the lease was lost or the store failed.
+
+        :param ran: who ran (``"view"``, ``"job"``), for the reason given.
+        :param status: the status the completion event reports.
+        """
+        try:
+            stored = self.complete(snapshot)
+        except StoreUnavailable as exc:
+            return Recording(False, self._record_failed(exc, ran=ran), exc)
+        if not stored:
+            # The lease expired and a retry took the record over: the run's writes in the
+            # business transaction are rolled back and the operation belongs to the new owner.
+            self.emit_found(Failure.LEASE_LOST)
+            return Recording(False, Failure.LEASE_LOST)
+        self.emit(signals.completed, status=status, stored=snapshot is not None)
+        return Recording(True)
+
     def note_ended_below(self) -> bool:
         """The view ended its business transaction below SQLAlchemy (the driver's ``commit()``
         or ``rollback()``, a ``COMMIT`` through a raw cursor): its rows did not commit with its
@@ -885,7 +1043,7 @@ class Attempt:
         # The token no longer owns the record (a retry took it over): nothing changed here.
         self.emit(signal if done else signals.lease_lost, reason=reason)
 
-    def record_failed(self, error: StoreUnavailable, *, ran: str) -> Failure | None:
+    def _record_failed(self, error: StoreUnavailable, *, ran: str) -> Failure | None:
         """The result could not be recorded (:meth:`complete` raised ``error``): report it
         once, give the key up, and say which row of :data:`OUTCOMES` answers it.
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 import re
 import typing as t
 
-import psycopg2.extensions
 import sqlalchemy as sa
 from flask import has_app_context
 
@@ -272,6 +271,12 @@ def count_commits_from_now(attempt: Attempt) -> None:
         commit_count.zero(connection)
 
 
+def count_ends_from_start(connection: sa.Connection) -> None:
+    """A business transaction opened after the claim: an end of it below SQLAlchemy counts
+    from its start."""
+    commit_count.zero(connection)
+
+
 def committed_elsewhere(attempt: Attempt) -> bool:
     """Whether the attempt's context committed below SQLAlchemy on some connection of the
     store's engine (``commit()`` of a driver connection, a raw cursor's ``COMMIT``)."""
@@ -280,25 +285,6 @@ def committed_elsewhere(attempt: Attempt) -> bool:
 
 def ended_outside(attempt: Attempt) -> bool:
     """Whether the attempt's business transaction was committed or rolled back below
-    SQLAlchemy, behind the guard's back: its driver connection counted an end (its own
-    ``commit()`` or ``rollback()``, a ``COMMIT`` through a raw cursor), or SQLAlchemy still
-    holds open a transaction the driver ended."""
-    for connection in _connections(attempt):
-        if commit_count.ended(connection):
-            return True
-        if not connection.in_transaction():
-            continue
-        dbapi = connection.connection.dbapi_connection
-        if hasattr(dbapi, commit_count.ATTRIBUTE):
-            continue  # it counts every end below SQLAlchemy, and a COMMIT statement is not one
-        if isinstance(dbapi, psycopg2.extensions.connection):
-            # psycopg2 began a transaction the server no longer has (a COMMIT through a
-            # cursor).
-            if (
-                dbapi.status != psycopg2.extensions.STATUS_READY
-                and dbapi.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
-            ):
-                return True
-        elif getattr(dbapi, "in_transaction", True) is False:  # sqlite3
-            return True
-    return False
+    SQLAlchemy, behind the guard's back (how each driver shows it:
+    :func:`.store.commit_count.ended_below`)."""
+    return any(commit_count.ended_below(connection) for connection in _connections(attempt))

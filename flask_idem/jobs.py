@@ -54,7 +54,7 @@ import typing as t
 
 from flask import current_app, has_app_context, has_request_context
 
-from .attempt import OUTCOMES, Attempt, Failure, Found, classify, reason
+from .attempt import OUTCOMES, Attempt, Ending, Failure, Found, reason
 from .core import signals
 from .core.errors import (
     ConfigurationError,
@@ -67,7 +67,7 @@ from .core.idempotency_keys import check_key, key_hash
 from .core.options import JobArgument, JobOptions
 from .core.record import Record, StoredResponse
 from .state import AppState
-from .store.sql import translate_errors
+from .store import translate_errors
 
 P = t.ParamSpec("P")
 R = t.TypeVar("R")
@@ -124,7 +124,7 @@ def _run(
         try:
             stored = _claim(attempt, options, _fingerprint(options, call))
             if stored is not None:
-                return _replayed(attempt, stored)
+                return _replayed(stored)
             return _execute(attempt, current_app.ensure_sync(function), call)
         finally:
             if attempt.holding and attempt.watch is not None:
@@ -193,10 +193,10 @@ def _claim(attempt: Attempt, options: JobOptions, digest: bytes) -> Record | Non
         record = attempt.claim(digest, ttl=attempt.ttl, lease=lease)
         if record is None:
             return None
-        found = classify(record, digest, options.recovery, attempt.app_state.store.keys)
+        found = attempt.meet(record, lease=lease)
         if found is Found.COMPLETED:
             return record
-        if found is Found.RERUN and attempt.take_over(record, lease):
+        if found is Found.RERUN and attempt.holding:
             return None
         # A re-run another worker took over first is running there.
         refusal = attempt.emit_found(Found.RUNNING if found is Found.RERUN else found, record)
@@ -208,9 +208,8 @@ def _claim(attempt: Attempt, options: JobOptions, digest: bytes) -> Record | Non
         raise
 
 
-def _replayed(attempt: Attempt, record: Record) -> t.Any:
+def _replayed(record: Record) -> t.Any:
     assert record.response is not None
-    attempt.emit(signals.replayed, status=record.response.status)
     try:
         return json.loads(record.response.body)
     except (ValueError, RecursionError):
@@ -224,47 +223,36 @@ def _replayed(attempt: Attempt, record: Record) -> t.Any:
 def _execute(
     attempt: Attempt, function: t.Callable[..., t.Any], call: inspect.BoundArguments
 ) -> t.Any:
+    """Run the job, and answer what the attempt decided at its end
+    (:meth:`~flask_idem.attempt.Attempt.end_run`, :meth:`~flask_idem.attempt.Attempt.
+    record_result`): its value, its own exception, or the outcome table's job column."""
     assert attempt.scope is not None
     try:
         value = function(*call.args, **call.kwargs)
     except JobRefused:
         attempt.mark_refused()  # idem.refuse() ended the run: it did nothing
-        attempt.trace_completing()
-        attempt.give_up("the job refused to run")
+        attempt.end_run("job")
         raise
     except BaseException as exc:
         # Also SystemExit and KeyboardInterrupt: a worker told to stop mid-job.
         attempt.mark_crashed()
         attempt.trace_failure(exc)
-        attempt.trace_completing()
-        attempt.give_up("the job raised an exception")
+        attempt.end_run("job")
         raise
-    attempt.trace_completing()
-    attempt.stop_watching()
-    attempt.note_replaced_session()
-    if attempt.work_lost:
-        lost = "the job ended its business transaction itself"
-    elif attempt.rolled_back:
-        lost = "the job rolled its business transaction back"
-    elif attempt.note_ended_below():
-        lost = "the job ended its business transaction below SQLAlchemy"
-    else:
-        lost = None
-    if lost is not None:
+    ending = attempt.end_run("job")
+    if ending is Ending.WORK_LOST:
         # Its rows are gone, or did not commit with its result: never stored (a view's answer
         # is refused the same way), the key never given back as if nothing had happened.
-        attempt.give_up(lost)
         raise OUTCOMES[Failure.WORK_LOST].job(attempt.scope)
+    assert ending is Ending.RECORD  # a job that returned has no status, refusal or crash
     snapshot = _snapshot(attempt.app_state, value)
-    try:
-        stored = attempt.complete(snapshot)
-    except StoreUnavailable as exc:
-        if attempt.record_failed(exc, ran="job") is None:
-            return value
-        raise
-    if not stored:
-        raise attempt.emit_found(Failure.LEASE_LOST).job(attempt.scope)
-    attempt.emit(signals.completed, status=200, stored=snapshot is not None)
+    recording = attempt.record_result(snapshot, ran="job", status=200)
+    if recording.error is not None:
+        if recording.failure is None:
+            return value  # its effects happened outside a business transaction: they stand
+        raise recording.error
+    if recording.failure is not None:
+        raise OUTCOMES[recording.failure].job(attempt.scope)
     if snapshot is None:
         log.warning(
             "job result not stored (not JSON, or larger than IDEMPOTENCY_MAX_BODY); "

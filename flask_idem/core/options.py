@@ -145,19 +145,7 @@ class OutcomeOptions:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ViewOptions(OutcomeOptions):
     """How one view (or blueprint, or the whole application) is protected: the options of
-    :class:`ViewOptionArgs`, validated, with their defaults.
-
-    ``release_before_contact`` is the view's promise that it calls ``idem.downstream_key()``
-    or ``idem.side_effect()`` before any contact with the outside world, so that a failure
-    before that call provably committed nothing and gives the key back. Without the promise
-    every failure leaves the key ``unknown`` (the safe default), unless the view answers
-    through ``idem.refuse()``.
-
-    ``atomic`` puts the claim inside the view's business transaction (``idem.connection()``):
-    the claim, the business rows and the stored response commit once, and any failure rolls
-    all of it back, so the key is free again. Only for views whose effects are all in that
-    transaction: external calls are refused.
-    """
+    :class:`ViewOptionArgs` (where each is documented), validated, with their defaults."""
 
     required: bool | None = None
     exclude: tuple[str, ...] = ()
@@ -165,13 +153,9 @@ class ViewOptions(OutcomeOptions):
     fingerprint: FingerprintFunction | None = None
     atomic: bool = False
     replay: ReplayFunction | None = None
-    #: The view's own limit on new keys; None: ``IDEMPOTENCY_KEY_RATE_LIMIT``; False: none.
     key_rate_limit: str | t.Literal[False] | None = None
-    #: None: ``IDEMPOTENCY_SCOPE``.
     scope: ScopeName | None = None
-    #: None: ``IDEMPOTENCY_PRINCIPAL``.
     principal: PrincipalFunction | None = None
-    #: Takes the key from the request instead of the header (see ``key=``).
     key: KeyFunction | None = None
 
     def __post_init__(self) -> None:
@@ -232,8 +216,23 @@ def _given(caller: str, declaration: type[t.Any], args: t.Mapping[str, t.Any]) -
     return given
 
 
-#: The marker of :meth:`Idempotency.exempt <flask_idem.Idempotency.exempt>`.
+#: The marker of :meth:`Idempotency.exempt <flask_idem.Idempotency.exempt>`. It holds the
+#: defaults, so it equals ``ViewOptions()`` (what ``IDEMPOTENCY_PROTECT_ALL`` claims with): an
+#: exempt view is told by :func:`is_exempt` (identity), never by comparing options.
 EXEMPT = ViewOptions()
+
+_View = t.TypeVar("_View", bound=t.Callable[..., t.Any])
+
+
+def mark_exempt(view: _View) -> _View:
+    """Mark ``view`` unprotected, whatever protects its blueprint or the application."""
+    setattr(view, OPTIONS_ATTRIBUTE, EXEMPT)
+    return view
+
+
+def is_exempt(options: ViewOptions | None) -> bool:
+    """Whether ``options`` (a view's :data:`OPTIONS_ATTRIBUTE`) mark it exempt."""
+    return options is EXEMPT
 
 
 #: A job's name: what its records' endpoint says after ``JOB `` (Celery task names fit).
@@ -243,17 +242,13 @@ JOB_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 @dataclasses.dataclass(frozen=True)
 class JobOptions(OutcomeOptions):
     """The options of :meth:`Idempotency.job <flask_idem.Idempotency.job>`: its name, key and
-    tenant, and those of :class:`JobOptionArgs`, validated, with their defaults.
-
-    ``recovery`` and ``release_before_contact`` mean what they mean for a view; ``lease`` overrides
-    ``IDEMPOTENCY_LEASE`` for long jobs (renewed every third of it while the job runs).
-    """
+    tenant, and those of :class:`JobOptionArgs` (where each is documented), validated, with
+    their defaults."""
 
     name: str
     key: JobArgument
     tenant: JobArgument
     lease: float | None = dataclasses.field(default=None, kw_only=True)
-    #: ``(*args, **kwargs) -> bytes | str`` replacing the JSON of the job's arguments.
     fingerprint: t.Callable[..., bytes | str] | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:

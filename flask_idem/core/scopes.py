@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import typing as t
 
+from werkzeug.exceptions import HTTPException
+
 from .key_digest import HEAD_SIZE, KeyDigest
 from .record import Record
 
@@ -63,6 +65,25 @@ def check_principal(value: object) -> str:
     if not spelled.isprintable() or any(character.isspace() for character in spelled):
         raise PrincipalInvalid("the principal must be printable characters without white space")
     return spelled
+
+
+def resolve_principal(resolve: t.Callable[[], t.Any] | None) -> str | None:
+    """The current caller's principal by ``resolve`` (``IDEMPOTENCY_PRINCIPAL`` or a view's
+    ``principal=``), checked by :func:`check_principal`; None when there is no callable. An
+    ``HTTPException`` it raises (``abort(401)``) is its own answer and goes through.
+
+    :raises PrincipalInvalid: it raised (the exception is the ``__cause__``, and may carry the
+        credential the principal was looked up by: log it redacted), or returned nothing usable.
+    """
+    if resolve is None:
+        return None
+    try:
+        value = resolve()
+    except HTTPException:
+        raise
+    except Exception as exc:
+        raise PrincipalInvalid("the principal callable raised") from exc
+    return check_principal(value)
 
 
 def _kind(value: object) -> str:

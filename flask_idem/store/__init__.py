@@ -9,22 +9,32 @@ import sqlalchemy as sa
 from ..core.errors import ConfigurationError
 from . import engines, pooler
 from .base import OperatorStore, RequestStore, Store, operator_store
+from .commit_count import Tally
+from .engines import OneDeadline
+from .messages import redacted
 from .postgresql import PostgresStore
-from .sql import SQLStore
+from .sql import SQLStore, translate_errors
 from .sqlite import SQLiteStore
 
+# What the layers above use of the store: the interfaces and stores, and the few services a
+# request needs around them (errors as StoreUnavailable, redacted database errors, one
+# deadline for a checkout and a claim, the count of an attempt's commits below SQLAlchemy).
 __all__ = [
+    "OneDeadline",
     "OperatorStore",
     "PostgresStore",
     "RequestStore",
     "SQLStore",
     "SQLiteStore",
     "Store",
+    "Tally",
     "create_engine",
     "create_store",
     "engine_options",
     "operator_store",
     "prepare_engine",
+    "redacted",
+    "translate_errors",
 ]
 
 _STORES: dict[str, type[SQLStore]] = {

@@ -21,8 +21,8 @@ store primitives run under :func:`store_own` and count for nobody.
 ``IDEMPOTENCY_ENGINE``) unless its ``connect_args`` name a connection class of their own; the
 client-side deadline's connection classes (:mod:`.engines`, :mod:`.deadline_psycopg`) count too.
 SQLite needs none of it: its store transactions all begin with an explicit ``BEGIN``, so
-sqlite3's ``in_transaction`` shows one ended below SQLAlchemy (see :func:`flask_idem.commits.
-ended_outside`).
+sqlite3's ``in_transaction`` shows one ended below SQLAlchemy (see :func:`ended_below`, what
+:func:`flask_idem.commits.ended_outside` asks).
 """
 
 from __future__ import annotations
@@ -300,3 +300,25 @@ def ended(connection: sa.Connection) -> bool:
     """Whether ``connection``'s driver connection ended a transaction below SQLAlchemy since
     :func:`zero`."""
     return bool(getattr(connection.connection.dbapi_connection, ATTRIBUTE, 0))
+
+
+def ended_below(connection: sa.Connection) -> bool:
+    """Whether ``connection``'s transaction was committed or rolled back below SQLAlchemy
+    since :func:`zero`: its driver connection counted an end (its own ``commit()`` or
+    ``rollback()``, a ``COMMIT`` through a raw cursor), or SQLAlchemy still holds open a
+    transaction the driver ended (a driver connection that does not count: psycopg2's status
+    says so, sqlite3's ``in_transaction``)."""
+    if ended(connection):
+        return True
+    if not connection.in_transaction():
+        return False
+    dbapi = connection.connection.dbapi_connection
+    if hasattr(dbapi, ATTRIBUTE):
+        return False  # it counts every end below SQLAlchemy, and a COMMIT statement is not one
+    if isinstance(dbapi, psycopg2.extensions.connection):
+        # psycopg2 began a transaction the server no longer has (a COMMIT through a cursor).
+        return bool(
+            dbapi.status != psycopg2.extensions.STATUS_READY
+            and dbapi.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+        )
+    return getattr(dbapi, "in_transaction", True) is False  # sqlite3

@@ -8,6 +8,7 @@ the attempt (:mod:`flask_idem.attempt`); jobs are :mod:`flask_idem.jobs`, the ne
 
 from __future__ import annotations
 
+import logging
 import secrets
 import types
 import typing as t
@@ -35,7 +36,6 @@ from ..core.errors import ConfigurationError, JobRefused, StoreUnavailable
 from ..core.idempotency_keys import derive_key
 from ..core.key_digest import KeyDigest
 from ..core.options import (
-    EXEMPT,
     OPTIONS_ATTRIBUTE,
     BlueprintOptionArgs,
     JobArgument,
@@ -43,6 +43,7 @@ from ..core.options import (
     JobOptions,
     ViewOptionArgs,
     ViewOptions,
+    mark_exempt,
 )
 from ..core.sealing import Sealer
 from ..lease import LeaseKeeper
@@ -62,6 +63,9 @@ if t.TYPE_CHECKING:
 
 P = t.ParamSpec("P")
 R = t.TypeVar("R")
+
+#: The package's logger, as every module of the face logs (tests and deployments filter on it).
+log = logging.getLogger("flask_idem")
 
 
 class Idempotency:
@@ -348,8 +352,8 @@ class Idempotency:
             such as an order id, or the message id), or a callable taking the job's arguments.
             Validated like a header key.
         :param tenant: whose operation it is, spelled like ``key``; never a global namespace.
-        :param options: ``ttl``, ``lease``, ``recovery``, ``release_before_contact``,
-            ``fingerprint``: see :class:`~flask_idem.core.options.JobOptionArgs`.
+        :param options: the job options, each declared and documented once, in
+            :class:`~flask_idem.core.options.JobOptionArgs`.
         """
         return jobs.job(JobOptions.build(name, key, tenant, options))
 
@@ -367,8 +371,7 @@ class Idempotency:
         """Protect a view. The claim runs when the view is called, after every decorator
         placed above this one (put authorization there, or in a ``before_request`` hook).
 
-        :param options: ``ttl``, ``required``, ``exclude``, ``include``, ``fingerprint``,
-            ``recovery``, ``release_before_contact``, ``atomic``, ``replay``, ``key``: see
+        :param options: the view options, each declared and documented once, in
             :class:`~flask_idem.core.options.ViewOptionArgs`.
         """
         declared = ViewOptions.build("Idempotency.idempotent", ViewOptionArgs, options)
@@ -382,14 +385,13 @@ class Idempotency:
 
     def exempt(self, view: t.Callable[P, R]) -> t.Callable[P, R]:
         """Leave a view unprotected even under app-wide or blueprint-wide protection."""
-        setattr(view, OPTIONS_ATTRIBUTE, EXEMPT)
-        return view
+        return mark_exempt(view)
 
     def protect_blueprint(
         self, blueprint: Blueprint, **options: Unpack[BlueprintOptionArgs]
     ) -> None:
-        """Protect every view of ``blueprint`` (the options of :meth:`idempotent` but ``key``:
-        see :class:`~flask_idem.core.options.BlueprintOptionArgs`).
+        """Protect every view of ``blueprint``, with the options declared in
+        :class:`~flask_idem.core.options.BlueprintOptionArgs`.
 
         The claim runs when a view is dispatched, after the app's and the blueprint's
         ``before_request`` hooks but before any decorator on the view itself: authorization
@@ -527,6 +529,6 @@ def _ensure_partitions(store: Store, ahead: int) -> None:
     try:
         if store.maintain(ahead=ahead, dry_run=True).created:
             report = store.maintain(ahead=ahead)
-            flow.log.info("created partitions at start-up: %s", ", ".join(report.created))
+            log.info("created partitions at start-up: %s", ", ".join(report.created))
     except StoreUnavailable:
-        flow.log.error("could not check partitions at start-up; run `flask idem maintain`")
+        log.error("could not check partitions at start-up; run `flask idem maintain`")

@@ -7,8 +7,9 @@ The guard (:mod:`.guard`) calls in when Flask dispatches to a protected view, af
             already holding the key answers instead of the view (``answer_existing``);
 ``run``     the view runs; an exception it raises marks the request *crashed*, whatever error
             handler renders it afterwards (a raised ``HTTPException`` is an answer, not a crash);
-``finish``  (``after_request``) store the snapshot, committed with the business transaction,
-            or give the key up;
+``finish``  (``after_request``) answer what the attempt decided at the end of the view
+            (:meth:`~flask_idem.attempt.Attempt.end_run`): the snapshot stored, committed with
+            the business transaction, or the key given up;
 ``teardown`` a request that never reached ``finish`` (``SystemExit`` from gunicorn's worker
             timeout or SIGQUIT/SIGINT, ``KeyboardInterrupt``, propagated exceptions) gives up.
 
@@ -24,11 +25,11 @@ way: committed with a storable answer, rolled back otherwise. flask_idem's own a
 409, 413, 422, 503) are returned by the guard, never raised through the application's error
 handlers.
 
-The decisions that do not depend on HTTP (what an existing record leads to, giving up,
-recording the result) live in :mod:`flask_idem.attempt`, shared with background jobs
-(:mod:`flask_idem.jobs`), so that a view and a job follow one outcome model: what to do next is
-read from the attempt's phase, and what a found record or a failure answers from
-:data:`flask_idem.attempt.OUTCOMES` (its HTTP column).
+The decisions that do not depend on HTTP (what an existing record leads to, whether the
+result is recorded or the key given up, recording it) live in :mod:`flask_idem.attempt`,
+shared with background jobs (:mod:`flask_idem.jobs`), so that a view and a job follow one
+outcome model: what to do next is read from the attempt's phase, and what a found record or a
+failure answers from :data:`flask_idem.attempt.OUTCOMES` (its HTTP column).
 
 The outcome table (the behaviour contract; README mirrors it):
 
@@ -91,7 +92,7 @@ from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
 
-from ..attempt import OUTCOMES, Attempt, Failure, Found, Phase, classify
+from ..attempt import OUTCOMES, Attempt, Ending, Failure, Found, Phase
 from ..core import signals
 from ..core.body import read_body
 from ..core.config import Settings
@@ -108,13 +109,12 @@ from ..core.problem import (
     StoreUnavailableProblem,
     TenantUnresolved,
 )
-from ..core.record import STORABLE_STATUSES, Record, Scope, StoredResponse
-from ..core.scopes import PrincipalInvalid, account_fingerprint, check_principal, namespace
+from ..core.record import Record, Scope, StoredResponse
+from ..core.scopes import PrincipalInvalid, account_fingerprint, namespace, resolve_principal
 from ..core.snapshot import response_snapshot
 from ..sessions import has_unmanaged_writes
 from ..state import AppState
-from ..store.messages import redacted
-from ..store.sql import translate_errors
+from ..store import redacted, translate_errors
 from .key_limit import KeyLimit
 
 _WAIT_STEP = 0.05
@@ -142,8 +142,13 @@ def unclaimed(app_state: AppState, options: ViewOptions) -> None:
         attempt.attach_session()
 
 
-def claim(app_state: AppState, options: ViewOptions) -> Response | None:
+def claim(
+    app_state: AppState, options: ViewOptions, *, around_view: bool = False
+) -> Response | None:
     """Take the key for this request, or answer from the record that holds it.
+
+    :param around_view: the outer guard claims, around the whole view function
+        (:attr:`.Attempt.claimed_around_view`).
 
     :returns: None when the view may run (the key is ours, or the request carries no key and
         does not need one); otherwise the replayed response. Problems are raised.
@@ -170,13 +175,15 @@ def claim(app_state: AppState, options: ViewOptions) -> Response | None:
     endpoint = f"{req.method} {req.url_rule.rule}"
     scope_name = options.scope or settings.scope
     tenant = _tenant(app_state)
-    principal = _principal(options.principal or settings.principal)
     try:
+        principal = resolve_principal(options.principal or settings.principal)
         name = namespace(endpoint, scope_name, principal)
     except PrincipalInvalid as exc:
-        raise _principal_unresolved(str(exc)) from None
+        raise _principal_unresolved(exc) from None
     scope = app_state.store.keys.scope(tenant, name, key)
-    attempt = _start(Attempt(app_state, scope, options, endpoint=endpoint))
+    attempt = _start(
+        Attempt(app_state, scope, options, endpoint=endpoint, claimed_around_view=around_view)
+    )
     attempt.start_trace()
     if body is None:
         body = read_body(req, settings.max_request_body)
@@ -268,18 +275,13 @@ def answer_existing(
 ) -> Response | None:
     """What a claim that found a record leads to: a problem (raised), a replay, or None: the
     attempt took the record over (it holds the key), or claims again after a short wait."""
-    assert attempt.fingerprint is not None
-    keys = attempt.app_state.store.keys
-    found = classify(record, attempt.fingerprint, options.recovery, keys)
+    settings = attempt.app_state.settings
+    found = attempt.meet(record, lease=settings.lease)
     if found is Found.COMPLETED:
         assert record.response is not None
-        attempt.emit(signals.replayed, status=record.response.status)
-        settings = attempt.app_state.settings
         return replay(record.response, options, settings.stored_headers, record.kept_for)
     if found is Found.RERUN:
-        # One winner: a loser claims again and finds the winner's record in progress.
-        attempt.take_over(record, attempt.app_state.settings.lease)
-        return None
+        return None  # the winner runs the view; a loser claims again and finds it in progress
     if found is Found.RUNNING and time.monotonic() < deadline:
         time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
         return None
@@ -377,32 +379,19 @@ def _tenant(app_state: AppState) -> str:
     return tenant
 
 
-def _principal(resolve: t.Callable[[], t.Any] | None) -> str | None:
-    """The request's principal (None: the view has none), checked like a key: a callable
-    that raises or returns nothing usable refuses the request, never a 500 page."""
-    if resolve is None:
-        return None
-    try:
-        return check_principal(resolve())
-    except HTTPException:
-        raise  # the callable's own answer (abort(401))
-    except PrincipalInvalid as exc:
-        raise _principal_unresolved(str(exc)) from None
-    except Exception as exc:
-        # The exception may carry the credential the principal was looked up by: redacted.
+def _principal_unresolved(error: PrincipalInvalid) -> PrincipalUnresolved:
+    """The refusal of a request whose principal callable raised or returned nothing usable
+    (never a 500 page). What it raised may carry the credential it looked up by: redacted."""
+    if error.__cause__ is not None:
         log.error(
             "the principal callable raised; the request is refused (principal-unresolved)",
-            exc_info=redacted(exc),
+            exc_info=redacted(error.__cause__),
         )
-        raise _principal_unresolved("the principal callable raised") from None
-
-
-def _principal_unresolved(reason: str) -> PrincipalUnresolved:
     log.error(
         "protected request without a usable principal (%s): does IDEMPOTENCY_PRINCIPAL (or "
         "principal=) return a user or API key id, and did the authentication that sets it "
         "run before the claim?",
-        reason,
+        error,
     )
     return PrincipalUnresolved(
         "The server could not tell who within the account sent this request, so it refuses "
@@ -480,39 +469,21 @@ class Refusal(HTTPException):
 
 
 def finish(attempt: Attempt, response: Response) -> Response:
-    """``after_request`` (through :func:`.guard.finish`): complete the record with the
-    response, or give up."""
+    """``after_request`` (through :func:`.guard.finish`): what the attempt decided at the end
+    of the view (:meth:`~flask_idem.attempt.Attempt.end_run`, :meth:`~flask_idem.attempt.
+    Attempt.record_result`), answered over HTTP."""
     app_state = attempt.app_state
-    echo = attempt.scope.key if attempt.scope is not None else attempt.echo
-    if echo is not None:
-        response.headers[app_state.settings.header] = echo
+    echo_key(app_state.settings, response, attempt.echoed_key)
     if attempt.phase is Phase.FINISHED:
         return response
     if not attempt.holding:
         return _settle_unclaimed(attempt, response)
-    attempt.trace_completing()
-    attempt.stop_watching()
-    attempt.note_replaced_session()
-    attempt.mark_rendered(response.status_code)
-    if attempt.work_lost:
-        # The view ended its own business transaction before answering: its rows are gone,
-        # so its answer (a 201, say) would be a lie, stored or not.
-        return _unrecorded(attempt, "the view ended its business transaction itself")
-    if attempt.phase is Phase.CRASHED:
-        attempt.give_up("the view raised an exception")
-        return unreplayed(response)
-    if attempt.phase is Phase.REFUSED:
-        attempt.give_up("the view refused the request")
-        return unreplayed(response)
-    if _rolled_back_before_success(attempt, response):
-        # The view (or a hook) rolled back what it wrote, then answered a success: the
-        # answer does not stand for what committed. (An error answer after a rollback does.)
-        return _unrecorded(attempt, "the business transaction was rolled back before a success")
-    if (
-        response.status_code in app_state.settings.never_store
-        or response.status_code not in STORABLE_STATUSES
-    ):
-        attempt.give_up(f"status {response.status_code} is never stored")
+    ending = attempt.end_run("view", status=response.status_code)
+    if ending is Ending.WORK_LOST:
+        # The view's answer does not stand for what committed: a 500 says what happened.
+        problem = InternalError(OUTCOMES[Failure.WORK_LOST].detail + _crash_outcome(attempt))
+        return unreplayed(problem_response(app_state, attempt, problem))
+    if ending is Ending.GIVEN_UP:
         return unreplayed(response)
     if app_state.unmanaged_db is not None and has_unmanaged_writes(app_state.unmanaged_db):
         log.warning(
@@ -521,35 +492,10 @@ def finish(attempt: Attempt, response: Response) -> Response:
             "stored answer), or commit them in the view",
             extra={"key_hash": key_hash(t.cast(Scope, attempt.scope))},
         )
-    if attempt.atomic and attempt.session is not None and not attempt.session.in_transaction():
-        # An error handler rolled db.session back after the view raised an HTTPException:
-        # the atomic claim went with it, and nothing of the attempt is left. Its answer goes
-        # out unstored; the key is free, so a retry runs the view again.
-        attempt.give_up("the business transaction was rolled back before the answer")
-        return unreplayed(response)
-    if attempt.note_ended_below():
-        # The driver committed or rolled back under the view: its rows did not commit with
-        # this answer, so it must never be stored (nor the key given back).
-        return _unrecorded(attempt, "the view ended its business transaction below SQLAlchemy")
-    return _complete(attempt, response)
+    return _record(attempt, response)
 
 
-def _rolled_back_before_success(attempt: Attempt, response: Response) -> bool:
-    if not attempt.rolled_back or response.status_code >= 400:
-        return False
-    # An atomic view that went on in a new transaction lost its claim with the old one: its
-    # completion finds the reservation gone (409 lease lost, its later writes roll back).
-    return not (attempt.atomic and attempt.in_transaction)
-
-
-def _unrecorded(attempt: Attempt, reason: str) -> Response:
-    """Give the key up and answer 500: the view's answer does not stand for what committed."""
-    attempt.give_up(reason)
-    problem = InternalError(OUTCOMES[Failure.WORK_LOST].detail + _crash_outcome(attempt))
-    return unreplayed(problem_response(attempt.app_state, attempt, problem))
-
-
-def _complete(attempt: Attempt, response: Response) -> Response:
+def _record(attempt: Attempt, response: Response) -> Response:
     assert attempt.scope is not None
     snapshot = response_snapshot(attempt.app_state.settings, response)
     if snapshot is None and 400 <= response.status_code < 500 and attempt.releasable:
@@ -558,21 +504,14 @@ def _complete(attempt: Attempt, response: Response) -> Response:
         # every retry of a request that only needs fixing. Given back, a retry gets it again.
         attempt.give_up("its 4xx answer is too large to store")
         return unreplayed(response)
-    try:
-        stored = attempt.complete(snapshot)
-    except StoreUnavailable as exc:
-        failure = attempt.record_failed(exc, ran="view")
-        if failure is None:
-            return unreplayed(response)  # the client still learns what happened; retries 409
-        answer = problem_response(attempt.app_state, attempt, OUTCOMES[failure].http())
+    recording = attempt.record_result(snapshot, ran="view", status=response.status_code)
+    if recording.failure is not None:
+        problem = OUTCOMES[recording.failure].http()
+        answer = problem_response(attempt.app_state, attempt, problem)
         # After a failed commit the view's answer may be stored after all: no promise.
-        return answer if failure is Failure.COMMIT_UNCERTAIN else unreplayed(answer)
-    if not stored:
-        # The lease expired and a retry took the record over: this request's writes in the
-        # business transaction are rolled back and the operation belongs to the new owner.
-        problem = attempt.emit_found(Failure.LEASE_LOST).http()
-        return unreplayed(problem_response(attempt.app_state, attempt, problem))
-    attempt.emit(signals.completed, status=response.status_code, stored=snapshot is not None)
+        return answer if recording.failure is Failure.COMMIT_UNCERTAIN else unreplayed(answer)
+    if not recording.recorded:
+        return unreplayed(response)  # the client still learns what happened; retries 409
     if snapshot is None:
         log.warning(
             "response not stored (streamed or larger than IDEMPOTENCY_MAX_BODY); "
@@ -649,12 +588,18 @@ def _seconds(seconds: float) -> str:
     return str(max(0, math.floor(seconds)))
 
 
-def problem_response(app_state: AppState, attempt: Attempt | None, problem: Problem) -> Response:
-    """``problem`` as the request's answer, echoing the key the attempt holds."""
-    response = problem.get_response()
-    if attempt is not None and attempt.scope is not None:
-        response.headers[app_state.settings.header] = attempt.scope.key
+def echo_key(settings: Settings, response: Response, key: str | None) -> Response:
+    """Echo the request's idempotency key on ``response`` (every answer of a protected request
+    that sent one says which key it answers)."""
+    if key is not None:
+        response.headers[settings.header] = key
     return response
+
+
+def problem_response(app_state: AppState, attempt: Attempt | None, problem: Problem) -> Response:
+    """``problem`` as the request's answer, echoing the attempt's key."""
+    key = None if attempt is None else attempt.echoed_key
+    return echo_key(app_state.settings, problem.get_response(), key)
 
 
 def _settle_unclaimed(attempt: Attempt, response: Response) -> Response:
@@ -680,8 +625,5 @@ def _settle_unclaimed(attempt: Attempt, response: Response) -> Response:
             attempt.commit()
     except StoreUnavailable as exc:
         answer = t.cast(Response, store_unavailable(exc))
-        echo = response.headers.get(app_state.settings.header)
-        if echo is not None:
-            answer.headers[app_state.settings.header] = echo
-        return answer
+        return echo_key(app_state.settings, answer, attempt.echoed_key)
     return response

@@ -52,7 +52,7 @@ from werkzeug.wrappers import Response
 from ..attempt import Attempt
 from ..core.errors import GuardNotFound
 from ..core.idempotency_keys import InvalidKey, echo_of_invalid, read_key
-from ..core.options import EXEMPT, OPTIONS_ATTRIBUTE, ViewOptions
+from ..core.options import OPTIONS_ATTRIBUTE, ViewOptions, is_exempt
 from ..core.problem import Problem
 from ..state import AppState
 from . import flow
@@ -222,7 +222,7 @@ def enter(
         return t.cast(ResponseReturnValue, call(*args, **kwargs))
     if claims:
         try:
-            answer = flow.claim(app_state, options)
+            answer = flow.claim(app_state, options, around_view=declared is None)
         except Problem as problem:
             # Returned, not raised: an application's errorhandler(Exception) or
             # errorhandler(HTTPException) must not turn a 409 or a 422 into its own 500.
@@ -230,8 +230,6 @@ def enter(
         if answer is not None:
             return answer
     attempt = Attempt.current()
-    if attempt is not None and declared is None:
-        attempt.claimed_around_view = True
     if attempt is None or not attempt.holding:
         flow.unclaimed(app_state, options)
     return flow.run(call, args, kwargs)
@@ -269,7 +267,7 @@ def protection(app_state: AppState, declared: ViewOptions | None = None) -> View
             "ViewOptions | None",
             getattr(found if found is not None else view, OPTIONS_ATTRIBUTE, None),
         )
-    if declared is EXEMPT:
+    if is_exempt(declared):
         return None
     if declared is not None:
         return declared
@@ -321,6 +319,4 @@ def finish(response: Response) -> Response:
         key = read_key(request.headers, settings.headers)
     except InvalidKey:
         key = echo_of_invalid(request.headers, settings.headers)
-    if key is not None:
-        response.headers[settings.header] = key
-    return response
+    return flow.echo_key(settings, response, key)

@@ -59,7 +59,7 @@ from ..core.problem import (
     Problem,
     StoreUnavailableProblem,
 )
-from ..core.scopes import check_principal, endpoint_of, split
+from ..core.scopes import PrincipalInvalid, endpoint_of, resolve_principal, split
 from ..core.serialization import request_schema
 from ..state import AppState
 from ..store import operator_store
@@ -101,7 +101,12 @@ def create_blueprint(extension: Idempotency) -> Blueprint:
                 "The idempotency store cannot be reached; try again."
             ) from None
         wanted = None if endpoint is None else _record_endpoint(endpoint)
-        principal = _caller_principal(state.settings.principal)
+        try:
+            principal = resolve_principal(state.settings.principal)
+        except PrincipalInvalid:
+            # Then only the records of no principal are shown (a principal's records never
+            # to a caller who is not it).
+            principal = None
         records = [
             record
             for record in found
@@ -153,19 +158,6 @@ def _returning_problems(
             return problem.get_response()
 
     return answer
-
-
-def _caller_principal(resolve: t.Callable[[], t.Any] | None) -> str | None:
-    """The caller's principal by ``IDEMPOTENCY_PRINCIPAL``, or None: then only the records
-    of no principal are shown (a principal's records never to a caller who is not it)."""
-    if resolve is None:
-        return None
-    try:
-        return check_principal(resolve())
-    except HTTPException:
-        raise  # the callable's own answer (abort(401))
-    except Exception:
-        return None
 
 
 def _key(given: t.Any, headers: t.Sequence[str]) -> str:
