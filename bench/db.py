@@ -44,7 +44,8 @@ class Server:
             raise SystemExit(pgcluster.NO_SERVER)
         cluster = pgcluster.Cluster(pgcluster.PG_DIR / name)
         try:
-            cluster.start(durable=True)
+            # Planning time per request is one of the bench's figures (pg_stat_statements).
+            cluster.start(durable=True, settings={"pg_stat_statements.track_planning": "on"})
             yield cls(cluster.url, cluster)
         finally:
             cluster.stop()
@@ -164,6 +165,34 @@ class Probe:
                 {"name": database},
             ).all()
         return sum(int(r.calls) for r in rows), [(str(r.query), int(r.calls)) for r in rows[:8]]
+
+    def plan_ms(self, database: str) -> float | None:
+        """Milliseconds the server spent planning top-level statements in ``database`` since
+        the last reset (None when ``pg_stat_statements.track_planning`` is off: a
+        ``DATABASE_URL`` server may not track it)."""
+        if not self.statements_available:
+            return None
+        with self.engine.connect() as conn:
+            tracked = conn.exec_driver_sql(
+                "SELECT current_setting('pg_stat_statements.track_planning', true)"
+            ).scalar()
+            if tracked != "on":
+                return None
+            total = conn.execute(
+                sa.text(
+                    "SELECT coalesce(sum(s.total_plan_time), 0) FROM pg_stat_statements AS s"
+                    " JOIN pg_database AS d ON d.oid = s.dbid"
+                    " WHERE d.datname = :name AND s.toplevel"
+                ),
+                {"name": database},
+            ).scalar()
+        return float(total)
+
+    def wal_position(self) -> int:
+        """The server's WAL insert position in bytes: the difference over a run is the WAL
+        it wrote (cluster-wide, as :meth:`next_xid`: exact on the bench's own cluster, where
+        one app runs at a time)."""
+        return int(self.scalar("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')"))
 
     def next_xid(self) -> int:
         """The next transaction id, without consuming one.

@@ -24,6 +24,8 @@ METRICS = (
     "statements",
     "xact_commits",
     "durable_commits",
+    "wal_bytes",
+    "plan_us",
     "app_cpu_ms",
     "db_cpu_ms",
     "client_cpu_ms",
@@ -282,6 +284,8 @@ COLUMNS = (
     ("stmt/req", ">"),
     ("commit/req", ">"),
     ("xact/req", ">"),
+    ("WAL B/req", ">"),
+    ("plan us/req", ">"),
     ("app CPU ms/req", ">"),
     ("db CPU ms/req", ">"),
     ("x bare CPU", ">"),
@@ -306,6 +310,8 @@ def table_rows(rows: list[dict[str, t.Any]]) -> list[list[str]]:
                 _fmt(row["statements"], 2),
                 _fmt(row["durable_commits"], 2),
                 _fmt(row["xact_commits"], 2),
+                _fmt(row.get("wal_bytes"), 0),
+                _fmt(row.get("plan_us"), 1),
                 _fmt(row["app_cpu_ms"], 2),
                 _fmt(row["db_cpu_ms"], 2),
                 _ratio(row.get("cpu_ratio")),
@@ -381,7 +387,10 @@ def format_text(document: Document) -> str:
         "(app + db) per request. stmt/req: top-level statements (BEGIN/COMMIT included) "
         "from pg_stat_statements. commit/req: durable "
         "(write) commits. xact/req: pg_stat_database xact_commit, read-only autocommit "
-        "statements included. CPU: gunicorn workers and PostgreSQL backends, from /proc.",
+        "statements included. WAL B/req: WAL bytes written per request (cluster-wide). "
+        "plan us/req: the server's planning time (pg_stat_statements total_plan_time; n/a "
+        "where track_planning is off). CPU: gunicorn workers and PostgreSQL backends, from "
+        "/proc.",
     ]
     return "\n".join(out)
 

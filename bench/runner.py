@@ -122,6 +122,10 @@ class Run:
     statements: float | None = None
     xact_commits: float | None = None
     durable_commits: float | None = None
+    #: Per request: WAL bytes written (cluster-wide), the server's planning time in
+    #: microseconds (pg_stat_statements total_plan_time; None where planning is not tracked).
+    wal_bytes: float | None = None
+    plan_us: float | None = None
     #: Per request, milliseconds: gunicorn workers, PostgreSQL backends, the load generator.
     app_cpu_ms: float | None = None
     db_cpu_ms: float | None = None
@@ -242,6 +246,7 @@ class Bench:
         before_xact = self.marks[app]
         self.probe.reset_statements()
         xid = self.probe.next_xid()
+        wal = self.probe.wal_position()
         app_cpu = server.cpu()
         db_cpu = self.probe.backend_cpu(database)
         machine = machine_cpu()
@@ -251,7 +256,9 @@ class Bench:
         app_cpu_used = cpu_delta(app_cpu, server.cpu())
         db_cpu_used = cpu_delta(db_cpu, self.probe.backend_cpu(database))
         xids = self.probe.next_xid() - xid
+        wal_written = self.probe.wal_position() - wal
         statements, top = self.probe.statements(database)
+        plan_ms = self.probe.plan_ms(database)
         n = max(1, _served(app, top) or result.requests)
         run = Run(
             round=round_,
@@ -271,6 +278,8 @@ class Bench:
             errors=result.errors,
             statements=None if statements is None else statements / n,
             durable_commits=xids / n,
+            wal_bytes=wal_written / n,
+            plan_us=None if plan_ms is None else plan_ms / n * 1000,
             app_cpu_ms=app_cpu_used / n * 1000,
             db_cpu_ms=(db_cpu_used / n * 1000) if db_cpu else None,
             client_cpu_ms=result.client_cpu / n * 1000,

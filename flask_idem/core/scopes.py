@@ -59,6 +59,9 @@ def check_principal(value: object) -> str:
     """
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise PrincipalInvalid(f"the principal must be a string or an integer, not {_kind(value)}")
+    if isinstance(value, int) and value.bit_length() > 4 * MAX_PRINCIPAL:
+        # Too long to spell: str() of a huge int raises ValueError on Python 3.11+.
+        raise PrincipalInvalid(f"the principal must be 1 to {MAX_PRINCIPAL} characters")
     spelled = str(value)
     if not 0 < len(spelled) <= MAX_PRINCIPAL:
         raise PrincipalInvalid(f"the principal must be 1 to {MAX_PRINCIPAL} characters")

@@ -546,10 +546,16 @@ def teardown(exc: BaseException | None) -> None:
 
 
 def internal_error(error: InternalServerError) -> ResponseReturnValue:
-    """Unhandled exceptions in protected views answer a problem document, not HTML."""
+    """Unhandled exceptions in protected views answer a problem document, not HTML.
+
+    A view's own ``abort(500)`` (no original exception: Flask wraps every unhandled one) is
+    the view's answer, stored and replayed like any: it says what the view said, never a
+    crash's advice to retry, which its replay would repeat for the key's whole TTL."""
     attempt = Attempt.current()
     if attempt is None or attempt.scope is None:
         return error
+    if error.original_exception is None:
+        return InternalError(error.description).get_response()
     return InternalError(
         "The server failed while processing the request. " + _crash_outcome(attempt)
     ).get_response()

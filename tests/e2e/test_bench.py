@@ -605,3 +605,43 @@ def test_every_layer_runs_on_the_driver_bench_driver_names(
     monkeypatch.setenv("BENCH_DRIVER", "pg8000")
     with pytest.raises(RuntimeError, match="psycopg2 or psycopg"):
         apps.database_url(bench_url)
+
+
+@pytest.mark.postgresql
+def test_probe_reads_planning_time_and_wal_per_database(
+    fresh_pg_database: t.Callable[[], str],
+) -> None:
+    """The report's planning and WAL columns come from real counters: planning time is read
+    only where it is tracked (else n/a, never a misleading 0), and WAL grows with writes."""
+    control, measured = fresh_pg_database(), fresh_pg_database()
+    name = sa.make_url(measured).database
+    untracked = db.Probe(control)
+    try:
+        assert untracked.plan_ms(name) is None, "planning not tracked: n/a"
+    finally:
+        untracked.dispose()
+    for url in (control, measured):
+        admin = sa.create_engine(sa.make_url(url).set(drivername="postgresql+psycopg2"))
+        with admin.begin() as conn:
+            conn.exec_driver_sql(
+                f'ALTER DATABASE "{sa.make_url(url).database}" '
+                "SET pg_stat_statements.track_planning = on"
+            )
+        admin.dispose()
+    probe = db.Probe(control)
+    engine = sa.create_engine(sa.make_url(measured).set(drivername="postgresql+psycopg2"))
+    try:
+        if not probe.statements_available:
+            pytest.skip("pg_stat_statements is not loaded on this server")
+        probe.reset_statements()
+        before = probe.wal_position()
+        with engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE t (n int PRIMARY KEY, pad text)")
+            for n in range(20):
+                conn.execute(sa.text("INSERT INTO t VALUES (:n, repeat('x', 200))"), {"n": n})
+        assert probe.wal_position() - before > 20 * 200, "the inserts' WAL"
+        planned = probe.plan_ms(name)
+        assert planned is not None and planned > 0, planned
+    finally:
+        engine.dispose()
+        probe.dispose()

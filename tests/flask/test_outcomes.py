@@ -169,6 +169,37 @@ def test_a_view_that_declares_nothing_never_releases(app_factory: Factory, store
     assert _record(store, "/quiet").state is State.UNKNOWN
 
 
+@pytest.mark.parametrize("own_handler", [False, True])
+def test_a_views_own_abort_500_is_its_answer_without_a_crashs_advice(
+    app_factory: Factory, store: SQLStore, own_handler: bool
+) -> None:
+    """``abort(500)`` is an answer the view chose, stored and replayed like a returned 500:
+    its body says what the view said, never the crash's "retry with the same key", which
+    every replay of it would repeat (also under an application's ``errorhandler(Exception)``,
+    which flask_idem's 500 handler outranks)."""
+    app, idem, counter = app_factory()
+    if own_handler:
+
+        @app.errorhandler(Exception)
+        def everything(error: Exception) -> t.Any:
+            return {"error": "the application's"}, 500
+
+    @app.post("/gave-up")
+    @idem.idempotent
+    def gave_up() -> t.Any:
+        counter.bump()
+        flask.abort(500, description="The provider refused the charge; see the payment.")
+
+    client = app.test_client()
+    first, replay = _post(client, "/gave-up"), _post(client, "/gave-up")
+    for answer in (first, replay):
+        assert answer.status_code == 500 and problem_name(answer) == "internal-error"
+        assert answer.get_json()["detail"] == "The provider refused the charge; see the payment."
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert counter.calls == 1
+    assert _record(store, "/gave-up").state is State.COMPLETED
+
+
 def test_a_failure_before_contact_releases_when_the_view_release_before_contact(
     app_factory: Factory, store: SQLStore
 ) -> None:

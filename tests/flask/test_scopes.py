@@ -268,7 +268,17 @@ def test_a_view_principal_overrides_the_app_wide_one(store: SQLStore) -> None:
 
 @pytest.mark.parametrize(
     "credential",
-    [None, "sk_raise", "sk_space", "sk_long", "sk_empty", "sk_object", "sk_true", "sk_nul"],
+    [
+        None,
+        "sk_raise",
+        "sk_space",
+        "sk_long",
+        "sk_huge",
+        "sk_empty",
+        "sk_object",
+        "sk_true",
+        "sk_nul",
+    ],
 )
 def test_an_unusable_principal_is_refused_before_any_claim(
     store: SQLStore,
@@ -277,12 +287,14 @@ def test_an_unusable_principal_is_refused_before_any_claim(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """None, a callable that raises, a value that is no string or integer, or one that
-    cannot name a namespace: 500 principal-unresolved, nothing claimed, nothing run, and the
+    cannot name a namespace (too long to spell, even as an integer): 500 principal-unresolved, nothing claimed, nothing run, and the
     statement parameters of a database error it raised (the credential it looked up by)
     never logged."""
     for name, value in {
         "sk_space": "key alice",
         "sk_long": "k" * 129,
+        # str() of an int past the interpreter's digit limit raises ValueError (3.11+).
+        "sk_huge": 10**5000,
         "sk_empty": "",
         "sk_object": object(),
         "sk_true": True,
