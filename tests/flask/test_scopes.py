@@ -287,9 +287,9 @@ def test_an_unusable_principal_is_refused_before_any_claim(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """None, a callable that raises, a value that is no string or integer, or one that
-    cannot name a namespace (too long to spell, even as an integer): 500 principal-unresolved, nothing claimed, nothing run, and the
-    statement parameters of a database error it raised (the credential it looked up by)
-    never logged."""
+    cannot name a namespace (too long to spell, even as an integer): 500
+    principal-unresolved, nothing claimed, nothing run, and the statement parameters of a
+    database error it raised (the credential it looked up by) never logged."""
     for name, value in {
         "sk_space": "key alice",
         "sk_long": "k" * 129,
