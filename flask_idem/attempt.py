@@ -17,12 +17,13 @@ business transaction back, and release the key only when the attempt provably co
 nothing: it declared its effects, had not yet declared contact with the outside world, and
 committed nothing itself; else mark it ``unknown``).
 
-Both callers share every decision: :meth:`~Attempt.meet` (what a found record means),
+Both callers share these decisions: :meth:`~Attempt.meet` (what a found record means),
 :meth:`~Attempt.end_run` (at the end of the run: give the key up, or record) and
 :meth:`~Attempt.record_result` (record it, or name the failure). What a found record or a
 failure after the run leads to is one table, :data:`OUTCOMES`: its event, its HTTP answer (a
-view) and its job answer (a job). The callers only translate: they render the row, replay a
-completed record, or answer what the run produced.
+view) and its job answer (a job). The callers translate: they render the row, replay a
+completed record, or answer what the run produced; they still give the key up themselves when
+their run ends outside these (a view's teardown, a job's ``finally``, a 4xx too large to store).
 """
 
 from __future__ import annotations
@@ -301,7 +302,8 @@ _UNREADABLE = (
 )
 
 #: What a found record that is neither replayed nor taken over, and a failure after the run,
-#: lead to. (A completed record is replayed, a re-run taken over: see the callers.)
+#: lead to. (A completed record is replayed by the caller; a re-run is taken over by
+#: :meth:`Attempt.meet`.)
 OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
     Found.DAMAGED: Outcome(
         problem=StoredResponseUnreadable,
@@ -494,7 +496,8 @@ class Attempt:
     tally: Tally | None = None
     #: How its view or job ended: the phase it left :attr:`Phase.RUNNING` for (``ANSWERED``,
     #: ``REFUSED``, ``CRASHED``), or ``CRASHED`` once code around the guard went on from its
-    #: refusal (:meth:`went_on`). A later move (an exception after the answer) keeps it.
+    #: refusal (:meth:`went_on`); None while it runs, and for a job that went straight to
+    #: ``FINISHED``. A later move (an exception after the answer) keeps it.
     ended: Phase | None = dataclasses.field(default=None, init=False)
     #: True while flask_idem itself commits or rolls the business transaction back: the
     #: commit guard and the session's listeners leave that to it.
@@ -866,8 +869,6 @@ class Attempt:
             self.attach_session()  # db.session carries the business writes
         self.emit(signals.taken_over if claim.taken_over else signals.claimed)
         self.view_started = time.monotonic()
-
-    # -- after the run -------------------------------------------------------------------
 
     # -- what a found record means --------------------------------------------------------
 
