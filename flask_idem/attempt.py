@@ -812,7 +812,13 @@ class Attempt:
         """
         assert self.scope is not None
         self.fingerprint = digest
-        result = self.app_state.store.claim(self.scope, digest, ttl=ttl, lease=lease)
+        try:
+            result = self.app_state.store.claim(self.scope, digest, ttl=ttl, lease=lease)
+        except StoreUnavailable as exc:
+            if exc.unanswered_claim is not None:
+                # Nothing runs after this failure: a claim that lands later is given back.
+                self.app_state.keeper.give_back(*exc.unanswered_claim, ttl=ttl, lease=lease)
+            raise
         if not result.claimed:
             return result.record
         self._own(result, lease)

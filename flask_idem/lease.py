@@ -1,9 +1,16 @@
-"""Lease renewal for requests that are still running.
+"""Lease renewal for requests that are still running, and claims given back after a silence.
 
 A lease tells other requests when the owner of a key counts as gone. A slow but alive request
 must never look gone, so while a view runs its lease is renewed every third of its length. One
 daemon thread per process does this for every running request: a fast request costs a dict
 insert and delete, never a round trip.
+
+The same thread gives back claims that may have landed after their request gave up: a server
+silent past the deadline (frozen, a hung host) can wake up and run the claim it had received,
+after the client got its 503 "not executed". That record would hold the key in progress for
+its lease, and then, for a view with ``recovery="fail"``, answer ``outcome-pending`` although
+nothing ran. Its token is known, so it is released, fenced by that token, once the store
+answers again.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ import threading
 import time
 
 from .core.errors import StoreUnavailable
-from .core.record import Record
+from .core.idempotency_keys import key_hash
+from .core.record import Record, Scope
 from .store.base import RequestStore
 from .store.messages import redacted
 
@@ -34,30 +42,62 @@ class Watch:
     active: bool = True
 
 
+@dataclasses.dataclass(eq=False)
+class GiveBack:
+    """A claim that may have landed after its request gave up: released once the store
+    answers. Tried again while the store fails, until ``until`` (after its TTL no record can
+    hold it), and, once the store answers without finding it, for one ``lease`` more: the
+    silent backend holding the claim may wake after the others (a backend frozen alone)."""
+
+    scope: Scope
+    token: str
+    lease: float
+    until: float
+    due: float
+    delay: float = 1.0
+    #: Set when the store first answered without finding the claim.
+    found_nothing_until: float | None = None
+    active: bool = True
+
+
+#: The longest wait between two attempts to give a claim back while the store is silent.
+GIVE_BACK_MAX_DELAY = 30.0
+
+
 class LeaseKeeper:
     """Renews watched leases from one background thread (started on first use per process)."""
 
     def __init__(self, store: RequestStore) -> None:
         self.store = store
         self._condition = threading.Condition()
-        self._heap: list[tuple[float, int, Watch]] = []
+        self._heap: list[tuple[float, int, Watch | GiveBack]] = []
         self._order = itertools.count()
         self._pid: int | None = None
 
     def watch(self, record: Record, lease: float) -> Watch:
         """Keep renewing the lease of ``record`` (owned by the caller) until :meth:`unwatch`."""
         watch = Watch(record, lease, due=time.monotonic() + lease / 3)
-        with self._condition:
-            self._ensure_thread()
-            heapq.heappush(self._heap, (watch.due, next(self._order), watch))
-            # Wake the thread only if this lease is now the first due (usually it is not).
-            if self._heap[0][2] is watch:
-                self._condition.notify()
+        # Wakes the thread only if this lease is now the first due (usually it is not).
+        self._schedule(watch)
         return watch
 
     def unwatch(self, watch: Watch) -> None:
         # Lazy removal: the thread drops inactive entries when they come due.
         watch.active = False
+
+    def give_back(self, scope: Scope, token: str, *, ttl: float, lease: float) -> None:
+        """Release the claim ``token`` of ``scope`` once the store answers, if the claim
+        landed (the release is fenced by the token: a no-op otherwise). Only for a claim
+        whose request runs nothing: its 503 said it was not executed."""
+        now = time.monotonic()
+        self._schedule(GiveBack(scope, token, lease, until=now + ttl, due=now + 1.0))
+
+    def _schedule(self, entry: Watch | GiveBack) -> None:
+        with self._condition:
+            self._ensure_thread()
+            heapq.heappush(self._heap, (entry.due, next(self._order), entry))
+            if self._heap[0][2] is entry:
+                self._condition.notify()
 
     def _ensure_thread(self) -> None:
         # A forked worker (gunicorn --preload) inherits the object but not the thread.
@@ -67,7 +107,7 @@ class LeaseKeeper:
         self._heap.clear()
         threading.Thread(target=self._run, name="flask-idem-lease", daemon=True).start()
 
-    def _next_due(self) -> Watch:
+    def _next_due(self) -> Watch | GiveBack:
         with self._condition:
             while True:
                 while self._heap and not self._heap[0][2].active:
@@ -79,24 +119,54 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while True:
-            watch = self._next_due()
-            try:
-                record = watch.record
-                assert record.claim_token is not None
-                renewed = self.store.renew(
-                    record.scope,
-                    record.claim_token,
-                    lease=watch.lease,
-                    created_at=record.created_at,
-                )
-            except StoreUnavailable as exc:
-                log.warning("lease renewal failed; retrying", exc_info=redacted(exc))
-                renewed = True  # not lost: try again at the next tick
-            if not renewed:
-                # Taken over or finished: stop renewing. The owner's own completion is fenced
-                # by its token, so it learns of the loss there.
-                continue
-            with self._condition:
-                if watch.active:
-                    watch.due = time.monotonic() + watch.lease / 3
-                    heapq.heappush(self._heap, (watch.due, next(self._order), watch))
+            entry = self._next_due()
+            if isinstance(entry, GiveBack):
+                self._give_back(entry)
+            else:
+                self._renew(entry)
+
+    def _renew(self, watch: Watch) -> None:
+        try:
+            record = watch.record
+            assert record.claim_token is not None
+            renewed = self.store.renew(
+                record.scope,
+                record.claim_token,
+                lease=watch.lease,
+                created_at=record.created_at,
+            )
+        except StoreUnavailable as exc:
+            log.warning("lease renewal failed; retrying", exc_info=redacted(exc))
+            renewed = True  # not lost: try again at the next tick
+        if not renewed:
+            # Taken over or finished: stop renewing. The owner's own completion is fenced
+            # by its token, so it learns of the loss there.
+            return
+        with self._condition:
+            if watch.active:
+                watch.due = time.monotonic() + watch.lease / 3
+                heapq.heappush(self._heap, (watch.due, next(self._order), watch))
+
+    def _give_back(self, entry: GiveBack) -> None:
+        try:
+            released = self.store.release(entry.scope, entry.token)
+        except StoreUnavailable:
+            self._again(entry, entry.until)
+            return
+        if released:
+            log.info(
+                "gave back a claim that landed after its request answered 503",
+                extra={"key_hash": key_hash(entry.scope)},
+            )
+            return
+        if entry.found_nothing_until is None:
+            entry.found_nothing_until = min(entry.until, time.monotonic() + entry.lease)
+        self._again(entry, entry.found_nothing_until)
+
+    def _again(self, entry: GiveBack, until: float) -> None:
+        """Try ``entry`` again after a growing delay, unless that is past ``until``."""
+        due = time.monotonic() + entry.delay
+        if due < until:
+            entry.due = due
+            entry.delay = min(entry.delay * 2, GIVE_BACK_MAX_DELAY)
+            self._schedule(entry)

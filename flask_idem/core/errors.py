@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import typing as t
 
+if t.TYPE_CHECKING:
+    from .record import Scope
+
 
 class IdempotencyError(Exception):
     """Root of every flask_idem exception."""
@@ -15,6 +18,11 @@ class StoreUnavailable(IdempotencyError):
     #: What the 503 may tell the client beyond "cannot be reached", or None: a failure whose
     #: cause is known and has a fix (:class:`SchemaMissing`) says so.
     detail: str | None = None
+    #: A claim the server may still carry out after this failure (a silent server that wakes
+    #: up and runs the statement it had received), as the scope with its digest and the
+    #: token the record would hold; None when no claim can have landed. The caller, which
+    #: runs nothing, gives it back (:meth:`flask_idem.lease.LeaseKeeper.give_back`).
+    unanswered_claim: tuple[Scope, str] | None = None
 
 
 #: What to do about a missing or outdated schema, in logs, CLI errors and 503 answers.

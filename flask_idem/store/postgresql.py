@@ -72,7 +72,7 @@ import typing as t
 
 import sqlalchemy as sa
 
-from ..core.errors import ConfigurationError, StoreUnavailable
+from ..core.errors import ConfigurationError, SchemaMissing, StoreUnavailable
 from ..core.record import (
     Archive,
     ClaimResult,
@@ -343,19 +343,27 @@ class PostgresStore(SQLStore):
         if self.audit:
             statement = _CLAIM_AUDITED
             parameters.update(self._audit_values(scope, "claimed"))
-        with _isolation_explained(), translate_errors(), engines.OneDeadline():
-            if self.keys.rotating:
-                # One transaction: the locks of every stored form, then the claim.
-                with commit_count.store_own(), self.engine.begin() as conn:
-                    found = self._previous(conn, scope, wait=True)
-                    if found is not None:
-                        return found
-                    values = tuple(conn.exec_driver_sql(statement, parameters).one())
-            elif self._fast():
-                values = self._claim_row(statement, parameters)
-            else:
-                with self.connect() as conn:
-                    values = tuple(conn.exec_driver_sql(statement, parameters).one())
+        try:
+            with _isolation_explained(), translate_errors(), engines.OneDeadline():
+                if self.keys.rotating:
+                    # One transaction: the locks of every stored form, then the claim (a
+                    # claim left without its COMMIT rolls back: nothing can land).
+                    with commit_count.store_own(), self.engine.begin() as conn:
+                        found = self._previous(conn, scope, wait=True)
+                        if found is not None:
+                            return found
+                        values = tuple(conn.exec_driver_sql(statement, parameters).one())
+                elif self._fast():
+                    values = self._claim_row(statement, parameters)
+                else:
+                    with self.connect() as conn:
+                        values = tuple(conn.exec_driver_sql(statement, parameters).one())
+        except StoreUnavailable as exc:
+            if not self.keys.rotating and not isinstance(exc, SchemaMissing):
+                # One autocommitted statement: a server silent past the deadline may still
+                # run it when it wakes, and commit a claim nobody will run.
+                exc.unanswered_claim = (scope, parameters["token"])
+            raise
         claimed, *columns = values
         return ClaimResult(build_record(scope, self.sealer, *columns), claimed=bool(claimed))
 

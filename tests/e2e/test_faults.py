@@ -524,3 +524,65 @@ def test_a_frozen_store_backend_leaves_the_applications_connections_alone(
         idle.close()
         busy.close()
         engine.dispose()
+
+
+@pytest.mark.parametrize("silent", ["backend", "server"])
+@pytest.mark.parametrize("driver", PG_DRIVERS)
+def test_a_claim_that_lands_after_its_503_is_given_back(
+    cluster: pgcluster.Cluster, database: str, driver: str, silent: str
+) -> None:
+    """A backend frozen with the claim already in its socket runs it when it thaws, after the
+    request answered 503 "not executed": that record would hold the key in progress for its
+    lease, then (``recovery="fail"``) answer outcome-pending for work that never ran. The
+    process gives it back, fenced by its token, once the store answers: the retry runs. The
+    backend alone frozen: the first give-back finds nothing (the store answers on another
+    backend) and is tried again; the whole server frozen: the give-back waits for it."""
+    import flask
+
+    from flask_idem import Idempotency, Scope, State
+
+    app = flask.Flask("given-back")
+    app.config["IDEMPOTENCY_DATABASE_URL"] = spelled_for(database, driver)
+    idem = Idempotency(app, tenant=lambda: "t")
+    ran: list[int] = []
+
+    @app.post("/notes")
+    @idem.idempotent
+    def notes() -> t.Any:
+        ran.append(1)
+        return {"ran": len(ran)}, 201
+
+    store = app.extensions["idempotency"].store
+    client = app.test_client()
+    key = new_key()
+    try:
+        with store.engine.connect() as conn:  # the pool's only connection: the claim's
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        if silent == "backend":
+            os.kill(pid, signal.SIGSTOP)
+            thaw = threading.Timer(PROMISED + 3, os.kill, (pid, signal.SIGCONT))
+            thaw.start()
+            try:
+                first = client.post("/notes", json={"n": 1}, headers={"Idempotency-Key": key})
+            finally:
+                thaw.join()
+        else:
+            with frozen(cluster):
+                first = client.post("/notes", json={"n": 1}, headers={"Idempotency-Key": key})
+                time.sleep(3)  # the first give-back fails: the server is still silent
+        assert first.status_code == 503, first.get_data(as_text=True)
+        assert ran == []
+        # The landed claim answers 409 until it is given back (without: for its 30 s lease,
+        # then outcome-pending).
+        deadline = time.monotonic() + 20
+        while True:
+            second = client.post("/notes", json={"n": 1}, headers={"Idempotency-Key": key})
+            if second.status_code != 409 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert second.status_code == 201 and ran == [1], second.get_data(as_text=True)
+        assert store.get(Scope("t", "POST /notes", key)).state is State.COMPLETED
+    finally:
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.kill(pid, signal.SIGCONT)
+        store.engine.dispose()
