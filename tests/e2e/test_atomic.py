@@ -11,7 +11,6 @@ import base64
 import concurrent.futures
 import datetime as dt
 import http.client
-import json
 import multiprocessing
 import os
 import signal
@@ -34,6 +33,7 @@ from tests.support import atomic_app
 from tests.support.answers import post
 from tests.support.helpers import Counter, count_statements
 from tests.support.pgcluster import ROOT, free_port
+from tests.support.wire import post_json
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 ledger = sa.Table(
@@ -61,10 +61,6 @@ def _records(store: SQLStore) -> int:
         return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())
 
 
-def _post(client: t.Any, path: str, key: str = "k") -> t.Any:
-    return post(client, key, {"n": 1}, path=path)
-
-
 def test_one_commit_replay_and_mismatch(
     app_factory: Factory, store: SQLStore, business: sa.Table
 ) -> None:
@@ -86,7 +82,7 @@ def test_one_commit_replay_and_mismatch(
     sa.event.listen(store.engine, "commit", committed)
     try:
         with count_statements(store.engine) as seen:
-            first = _post(client, "/write")
+            first = post(client, "k", {"n": 1}, path="/write")
     finally:
         sa.event.remove(store.engine, "commit", committed)
     assert first.status_code == 201
@@ -105,7 +101,7 @@ def test_one_commit_replay_and_mismatch(
             ).one()
         assert row[:4] == ("completed", 201, True, True)
         assert row[4] == dt.timedelta(seconds=app.extensions["idempotency"].settings.ttl)
-    assert _post(client, "/write").headers["Idempotent-Replayed"] == "true"
+    assert post(client, "k", {"n": 1}, path="/write").headers["Idempotent-Replayed"] == "true"
     mismatch = client.post("/write", json={"n": 2}, headers={"Idempotency-Key": "k"})
     assert mismatch.status_code == 422
     assert counter.calls == 1 and _rows(store, business) == 1
@@ -130,10 +126,10 @@ def test_a_failure_leaves_nothing_and_the_retry_runs(
         return "done", 201
 
     client = app.test_client()
-    first = _post(client, "/write")
+    first = post(client, "k", {"n": 1}, path="/write")
     assert first.status_code in (500, 503)
     assert _records(store) == 0 and _rows(store, business) == 0, "nothing committed"
-    assert _post(client, "/write").status_code == 201
+    assert post(client, "k", {"n": 1}, path="/write").status_code == 201
     assert _rows(store, business) == 1 and counter.calls == 2
 
 
@@ -148,7 +144,7 @@ def test_an_external_call_is_refused_loudly(app_factory: Factory, caplog: t.Any)
         return "charged", 201
 
     with pytest.raises(RuntimeError, match="atomic view"):
-        _post(app.test_client(), "/charge")
+        post(app.test_client(), "k", {"n": 1}, path="/charge")
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
@@ -167,17 +163,22 @@ def test_a_duplicate_gets_409_at_once_while_the_first_runs(
         return "done", 201
 
     first: list[t.Any] = []
-    thread = threading.Thread(target=lambda: first.append(_post(app.test_client(), "/slow")))
+    thread = threading.Thread(
+        target=lambda: first.append(post(app.test_client(), "k", {"n": 1}, path="/slow"))
+    )
     thread.start()
     assert inside.wait(10)
     started = time.monotonic()
-    duplicate = _post(app.test_client(), "/slow")
+    duplicate = post(app.test_client(), "k", {"n": 1}, path="/slow")
     assert time.monotonic() - started < 2, "never a wait on the first request's lock"
     assert duplicate.status_code == 409 and duplicate.headers["Retry-After"] == "1"
     release.set()
     thread.join()
     assert first[0].status_code == 201
-    assert _post(app.test_client(), "/slow").headers["Idempotent-Replayed"] == "true"
+    assert (
+        post(app.test_client(), "k", {"n": 1}, path="/slow").headers["Idempotent-Replayed"]
+        == "true"
+    )
     assert counter.calls == 1
 
 
@@ -198,7 +199,7 @@ def test_a_replay_is_answered_while_another_holds_the_scope_lock(
         return {"n": counter.calls}, 201
 
     client = app.test_client()
-    first = _post(client, "/done")
+    first = post(client, "k", {"n": 1}, path="/done")
     assert first.status_code == 201
     lock = (
         "SELECT pg_advisory_xact_lock(hashtext('flask_idem'),"
@@ -210,7 +211,7 @@ def test_a_replay_is_answered_while_another_holds_the_scope_lock(
         holder.begin()
         holder.execute(sa.text(lock), scope)
         started = time.monotonic()
-        again = _post(client, "/done")
+        again = post(client, "k", {"n": 1}, path="/done")
         assert time.monotonic() - started < 2
         assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
         assert again.get_json() == first.get_json()
@@ -218,7 +219,7 @@ def test_a_replay_is_answered_while_another_holds_the_scope_lock(
         assert mismatch.status_code == 422
         # No record yet for a locked scope: busy, as before.
         holder.execute(sa.text(lock), scope | {"key": unkeyed("alpha", "fresh")})
-        assert _post(client, "/done", key="fresh").status_code == 409
+        assert post(client, "fresh", {"n": 1}, path="/done").status_code == 409
         holder.rollback()
     assert counter.calls == 1
     # Expired: the lookup does not see it, so a holder of the lock keeps the scope.
@@ -232,9 +233,9 @@ def test_a_replay_is_answered_while_another_holds_the_scope_lock(
     with store.engine.connect() as holder:
         holder.begin()
         holder.execute(sa.text(lock), scope)
-        assert _post(client, "/done").status_code == 409
+        assert post(client, "k", {"n": 1}, path="/done").status_code == 409
         holder.rollback()
-    assert _post(client, "/done").status_code == 201 and counter.calls == 2
+    assert post(client, "k", {"n": 1}, path="/done").status_code == 201 and counter.calls == 2
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
@@ -291,23 +292,9 @@ class _Gunicorn:
 
 
 def order(port: int, key: str, reference: str, timeout: float = 30) -> tuple[int, str]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        connection.request(
-            "POST",
-            "/orders",
-            body=json.dumps({"reference": reference}),
-            headers={
-                "Idempotency-Key": key,
-                "X-Tenant": "alpha",
-                "Content-Type": "application/json",
-            },
-        )
-        response = connection.getresponse()
-        response.read()
-        return response.status, response.getheader("Idempotent-Replayed") or ""
-    finally:
-        connection.close()
+    """An order over a real socket: its status and its ``Idempotent-Replayed`` header."""
+    reply = post_json(port, key, {"reference": reference}, path="/orders", timeout=timeout)
+    return reply.status, reply.headers.get("Idempotent-Replayed") or ""
 
 
 def _client_process(port: int, keys: list[str], start: t.Any, answers: t.Any) -> None:
@@ -428,9 +415,9 @@ def test_an_atomic_view_committing_itself_is_refused(
         return "done", 201
 
     client = app.test_client()
-    assert _post(client, "/self-commit").status_code == 500
+    assert post(client, "k", {"n": 1}, path="/self-commit").status_code == 500
     assert _records(store) == 0 and _rows(store, business) == 0, "nothing was committed"
-    assert _post(client, "/self-commit").status_code == 201
+    assert post(client, "k", {"n": 1}, path="/self-commit").status_code == 201
     assert _rows(store, business) == 1
 
 
@@ -457,7 +444,7 @@ def test_an_autocommit_engine_is_refused_in_atomic_views(db_url: str) -> None:
             return "done", 201
 
         with pytest.raises(ConfigurationError, match="autocommit"):
-            _post(app.test_client(), "/write")
+            post(app.test_client(), "k", {"n": 1}, path="/write")
     finally:
         engine.dispose()
 
@@ -523,8 +510,8 @@ def test_sealed_and_audited_like_a_durable_claim(
         return {"id": "pay_SECRET"}, 201
 
     client = app.test_client()
-    first = _post(client, "/write", "sealed")
-    replay = _post(client, "/write", "sealed")
+    first = post(client, "sealed", {"n": 1}, path="/write")
+    replay = post(client, "sealed", {"n": 1}, path="/write")
     assert first.status_code == replay.status_code == 201
     assert replay.headers["Idempotent-Replayed"] == "true" and replay.data == first.data
     assert counter.calls == 1 and _rows(store, business) == 1
@@ -564,16 +551,14 @@ def test_a_view_that_ends_its_own_transaction_loses_its_claim(
 
     answers: dict[str, t.Any] = {}
 
-    def post(who: str) -> None:
-        answers[who] = app.test_client().post(
-            "/charge", json={"n": 1}, headers={"Idempotency-Key": "k", "X-Who": who}
-        )
+    def send(who: str) -> None:
+        answers[who] = post(app, "k", {"n": 1}, path="/charge", **{"X-Who": who})
 
-    first = threading.Thread(target=post, args=("first",))
+    first = threading.Thread(target=send, args=("first",))
     first.start()
     try:
         assert rolled_back.wait(30)
-        post("duplicate")
+        send("duplicate")
     finally:
         duplicate_done.set()
         first.join(30)
@@ -583,7 +568,7 @@ def test_a_view_that_ends_its_own_transaction_loses_its_claim(
     with store.engine.connect() as conn:
         notes = conn.execute(sa.select(business.c.note)).scalars().all()
     assert notes == ["charge-duplicate"] and _records(store) == 1
-    replay = _post(app.test_client(), "/charge")
+    replay = post(app.test_client(), "k", {"n": 1}, path="/charge")
     assert replay.headers["Idempotent-Replayed"] == "true"
     assert replay.get_json() == {"charged": "duplicate"}
 
@@ -605,7 +590,7 @@ def test_an_answer_that_took_longer_than_its_ttl_still_replays(
         return {"n": counter.bump()}, 201
 
     client = app.test_client()
-    assert _post(client, "/slow").status_code == 201
-    replay = _post(client, "/slow")
+    assert post(client, "k", {"n": 1}, path="/slow").status_code == 201
+    replay = post(client, "k", {"n": 1}, path="/slow")
     assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1 and _rows(store, business) == 1

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
-import json
 import threading
 import time
 import typing as t
@@ -15,6 +13,8 @@ from werkzeug.serving import make_server
 
 from flask_idem import Idempotency
 from flask_idem.store import SQLStore
+from tests.support.answers import PAYMENT
+from tests.support.wire import Reply, post_json
 
 CLIENTS = 16
 
@@ -45,48 +45,34 @@ def server(store: SQLStore) -> t.Iterator[tuple[int, list[int]]]:
         thread.join(timeout=10)
 
 
-def _post(
-    port: int, key: str, tenant: str, barrier: threading.Barrier
-) -> tuple[int, dict[str, str], bytes]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        barrier.wait()
-        connection.request(
-            "POST",
-            "/payments",
-            body=json.dumps({"amount": 4200}),
-            headers={
-                "Idempotency-Key": key,
-                "X-Tenant": tenant,
-                "Content-Type": "application/json",
-            },
-        )
-        response = connection.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        connection.close()
+def _at_once(port: int, key: str, tenant: str, barrier: threading.Barrier) -> Reply:
+    """Send the payment once every client of ``barrier`` is ready to send it too."""
+    barrier.wait()
+    return post_json(port, key, PAYMENT, tenant=tenant)
 
 
 def test_concurrent_duplicates_execute_once(server: tuple[int, list[int]]) -> None:
     port, executions = server
     barrier = threading.Barrier(CLIENTS)
     with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
-        results = list(pool.map(lambda _: _post(port, "storm", "alpha", barrier), range(CLIENTS)))
-    statuses = sorted(status for status, _, _ in results)
+        replies = list(
+            pool.map(lambda _: _at_once(port, "storm", "alpha", barrier), range(CLIENTS))
+        )
+    statuses = sorted(reply.status for reply in replies)
     assert len(executions) == 1, statuses
-    originals = [r for r in results if r[0] == 201 and "Idempotent-Replayed" not in r[1]]
+    originals = [r for r in replies if r.status == 201 and "Idempotent-Replayed" not in r.headers]
     assert len(originals) == 1
-    for status, headers, body in results:
-        assert status in (201, 409), statuses
-        if status == 409:
-            assert headers["Content-Type"] == "application/problem+json"
-            assert int(headers["Retry-After"]) >= 1
-            assert json.loads(body)["type"].endswith("/request-in-progress")
-        elif headers.get("Idempotent-Replayed") == "true":
-            assert body == originals[0][2]
-    barrier = threading.Barrier(1)
-    status, headers, body = _post(port, "storm", "alpha", barrier)
-    assert (status, headers.get("Idempotent-Replayed"), body) == (201, "true", originals[0][2])
+    for reply in replies:
+        assert reply.status in (201, 409), statuses
+        if reply.status == 409:
+            assert reply.headers["Content-Type"] == "application/problem+json"
+            assert int(reply.headers["Retry-After"]) >= 1
+            assert reply.json()["type"].endswith("/request-in-progress")
+        elif reply.headers.get("Idempotent-Replayed") == "true":
+            assert reply.body == originals[0].body
+    again = post_json(port, "storm", PAYMENT, tenant="alpha")
+    replayed = (again.status, again.headers.get("Idempotent-Replayed"), again.body)
+    assert replayed == (201, "true", originals[0].body)
 
 
 def test_concurrent_tenants_do_not_interfere(server: tuple[int, list[int]]) -> None:
@@ -94,7 +80,7 @@ def test_concurrent_tenants_do_not_interfere(server: tuple[int, list[int]]) -> N
     tenants = [f"tenant-{n}" for n in range(8)]
     barrier = threading.Barrier(len(tenants))
     with concurrent.futures.ThreadPoolExecutor(len(tenants)) as pool:
-        results = list(pool.map(lambda tenant: _post(port, "same", tenant, barrier), tenants))
-    assert [status for status, _, _ in results] == [201] * len(tenants)
+        replies = list(pool.map(lambda tenant: _at_once(port, "same", tenant, barrier), tenants))
+    assert [reply.status for reply in replies] == [201] * len(tenants)
     assert len(executions) == len(tenants)
-    assert len({body for _, _, body in results}) == len(tenants)
+    assert len({reply.body for reply in replies}) == len(tenants)

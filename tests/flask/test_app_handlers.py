@@ -21,6 +21,7 @@ from flask_idem import Idempotency
 from flask_idem.core.record import Scope, State
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store, normalize_url
+from tests.support.answers import problem_name
 from tests.support.helpers import Counter
 
 HANDLERS = ("Exception", "HTTPException", "blueprint Exception")
@@ -84,11 +85,6 @@ class Hold:
         self.release = threading.Event()
 
 
-def _type(response: t.Any) -> str:
-    assert response.mimetype == "application/problem+json", response.get_data(as_text=True)
-    return str(response.get_json()["type"]).rsplit("/", 1)[-1]
-
-
 @pytest.mark.parametrize("kind", HANDLERS)
 def test_flask_idem_answers_bypass_the_applications_error_handlers(
     store: SQLStore, kind: str
@@ -96,15 +92,15 @@ def test_flask_idem_answers_bypass_the_applications_error_handlers(
     app, _, counter = _app(store, kind)
     client = app.test_client()
     missing = client.post("/pay", json={})
-    assert (missing.status_code, _type(missing)) == (400, "idempotency-key-missing")
+    assert (missing.status_code, problem_name(missing)) == (400, "idempotency-key-missing")
     invalid = client.post("/pay", json={}, headers={"Idempotency-Key": "bad key"})
-    assert (invalid.status_code, _type(invalid)) == (400, "idempotency-key-invalid")
+    assert (invalid.status_code, problem_name(invalid)) == (400, "idempotency-key-invalid")
     large = client.post("/pay", data="x" * 2048, headers={"Idempotency-Key": "big"})
-    assert (large.status_code, _type(large)) == (413, "request-body-too-large")
+    assert (large.status_code, problem_name(large)) == (413, "request-body-too-large")
 
     assert client.post("/pay", json={"a": 1}, headers={"Idempotency-Key": "k1"}).status_code == 201
     reused = client.post("/pay", json={"a": 2}, headers={"Idempotency-Key": "k1"})
-    assert (reused.status_code, _type(reused)) == (422, "idempotency-key-reused")
+    assert (reused.status_code, problem_name(reused)) == (422, "idempotency-key-reused")
 
     held: Hold = app.config["HOLD"]
     first = threading.Thread(
@@ -114,7 +110,7 @@ def test_flask_idem_answers_bypass_the_applications_error_handlers(
     try:
         assert held.entered.wait(10)
         busy = app.test_client().post("/pay", json={"hold": 1}, headers={"Idempotency-Key": "k2"})
-        assert (busy.status_code, _type(busy)) == (409, "request-in-progress")
+        assert (busy.status_code, problem_name(busy)) == (409, "request-in-progress")
     finally:
         held.release.set()
         first.join(10)
@@ -122,7 +118,7 @@ def test_flask_idem_answers_bypass_the_applications_error_handlers(
     # A crash after contact leaves the key unknown: the retry is told to wait, and when.
     assert client.post("/pay", json={"crash": 1}, headers={"Idempotency-Key": "k3"}).status_code
     pending = client.post("/pay", json={"crash": 1}, headers={"Idempotency-Key": "k3"})
-    assert (pending.status_code, _type(pending)) == (409, "outcome-pending")
+    assert (pending.status_code, problem_name(pending)) == (409, "outcome-pending")
     assert int(pending.headers["Retry-After"]) > 0
     assert counter.calls == 3, "k1 once, k2 once (the inner retry never ran), k3 once"
 
@@ -136,7 +132,7 @@ def test_a_store_that_cannot_be_reached_answers_503_through_any_handler(
     try:
         app, _, counter = _app(down, kind)
         response = app.test_client().post("/pay", json={}, headers={"Idempotency-Key": "k"})
-        assert (response.status_code, _type(response)) == (503, "store-unavailable")
+        assert (response.status_code, problem_name(response)) == (503, "store-unavailable")
         assert counter.calls == 0, "fail closed: the view never ran"
     finally:
         down.engine.dispose()
@@ -165,7 +161,7 @@ def test_the_database_refusing_connections_in_the_view_answers_503_through_any_h
             return {"ok": True}, 201
 
         response = app.test_client().post("/gone", headers={"Idempotency-Key": "gone"})
-        assert (response.status_code, _type(response)) == (503, "store-unavailable")
+        assert (response.status_code, problem_name(response)) == (503, "store-unavailable")
     finally:
         store.engine.dispose()
         admin.dispose()
@@ -187,7 +183,7 @@ def test_a_raising_tenant_callable_is_tenant_unresolved(
 
     with caplog.at_level(logging.ERROR, logger="flask_idem"):
         response = app.test_client().post("/pay", headers={"Idempotency-Key": "secret-key-1"})
-    assert _type(response) == "tenant-unresolved" and counter.calls == 0
+    assert problem_name(response) == "tenant-unresolved" and counter.calls == 0
     logged = [r for r in caplog.records if r.exc_info and r.exc_info[0] is AttributeError]
     assert logged, "the tenant callable's exception is logged"
     assert "secret-key-1" not in caplog.text
@@ -221,7 +217,7 @@ def test_refuse_gives_a_plain_views_key_back(store: SQLStore) -> None:
     assert client.post("/pay", headers={"Idempotency-Key": "s"}).status_code == 503
     quota["left"] = 1
     pending = client.post("/pay", headers={"Idempotency-Key": "s"})
-    assert (pending.status_code, _type(pending)) == (409, "outcome-pending")
+    assert (pending.status_code, problem_name(pending)) == (409, "outcome-pending")
     assert counter.calls == 3
 
 
@@ -237,7 +233,7 @@ def test_a_plain_views_never_stored_status_leaves_the_key_unknown(store: SQLStor
     client = app.test_client()
     assert client.post("/pay", headers={"Idempotency-Key": "u"}).status_code == 503
     pending = client.post("/pay", headers={"Idempotency-Key": "u"})
-    assert (pending.status_code, _type(pending)) == (409, "outcome-pending")
+    assert (pending.status_code, problem_name(pending)) == (409, "outcome-pending")
 
 
 def test_declares_effects_still_works_and_warns(store: SQLStore) -> None:

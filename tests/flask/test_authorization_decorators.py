@@ -16,6 +16,7 @@ from flask.views import MethodView
 
 from flask_idem import Idempotency
 from flask_idem.store import SQLStore
+from tests.support.answers import post
 from tests.support.helpers import Counter
 
 View = t.Callable[..., t.Any]
@@ -149,17 +150,16 @@ def _readers_are_refused(store: SQLStore, decorator: View, path: str) -> None:
     app, calls = _app(store, decorator, path)
     client = app.test_client()
 
-    def post(amount: int, permissions: str = "write") -> t.Any:
-        headers = {"Idempotency-Key": "k", "X-Permissions": permissions}
-        return client.post(path, json={"amount": amount}, headers=headers)
+    def send(amount: int, permissions: str = "write") -> t.Any:
+        return post(client, "k", {"amount": amount}, path=path, **{"X-Permissions": permissions})
 
-    written = post(100)
+    written = send(100)
     assert written.status_code == 201
     for amount in (100, 1):  # the writer's body (a replay), another body (a 422)
-        refused = post(amount, permissions="read")
+        refused = send(amount, permissions="read")
         assert refused.status_code == 403, refused.get_data(as_text=True)
         assert "Idempotent-Replayed" not in refused.headers
-    replayed = post(100)
+    replayed = send(100)
     assert replayed.headers["Idempotent-Replayed"] == "true", "the view's own guard claimed"
     assert replayed.get_data() == written.get_data()
     assert calls.calls == 1
@@ -270,13 +270,14 @@ def test_a_guard_the_search_cannot_find_refuses_to_run_under_the_outer_claim(
     app, calls = _app(store, registry, "/orders")
     client = app.test_client()
 
-    def post(amount: int, key: str, permissions: str = "write") -> t.Any:
-        headers = {"Idempotency-Key": key, "X-Permissions": permissions}
-        return client.post("/orders", json={"amount": amount}, headers=headers)
+    def send(amount: int, key: str, permissions: str = "write") -> t.Any:
+        return post(
+            client, key, {"amount": amount}, path="/orders", **{"X-Permissions": permissions}
+        )
 
     with caplog.at_level("ERROR", logger="flask_idem"):
-        refused = [post(100, "k1"), post(100, "k2")]
-        retries = [post(100, "k1"), post(100, "k1", "read"), post(1, "k1", "read")]
+        refused = [send(100, "k1"), send(100, "k2")]
+        retries = [send(100, "k1"), send(100, "k1", "read"), send(1, "k1", "read")]
     for answer in refused:
         assert answer.status_code == 500, answer.get_data(as_text=True)
         assert answer.mimetype == "application/problem+json"

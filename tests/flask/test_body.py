@@ -16,7 +16,7 @@ import pytest
 
 from flask_idem import Idempotency
 from flask_idem.store import SQLStore
-from tests.support.answers import assert_problem
+from tests.support.answers import assert_problem, post
 from tests.support.helpers import Counter
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
@@ -43,18 +43,9 @@ def _records(store: SQLStore) -> int:
         return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())
 
 
-def _post(client: t.Any, key: str, **environ: t.Any) -> t.Any:
-    body = environ.pop("body", None)
-    return client.post(
-        "/payments",
-        data=body,
-        content_type="application/json",
-        headers={"Idempotency-Key": key},
-        environ_overrides=environ,
-    )
-
-
 BODY = json.dumps({"amount": 4200, "currency": "eur"}).encode()
+#: The type of a body the WSGI environ hands over (``wsgi.input``) rather than the test client.
+JSON: t.Final = {"Content-Type": "application/json"}
 
 
 def test_a_short_content_length_body_is_400_and_the_full_retry_runs(
@@ -62,29 +53,33 @@ def test_a_short_content_length_body_is_400_and_the_full_retry_runs(
 ) -> None:
     app, _, counter = app_factory()
     client = app.test_client()
-    cut = _post(
+    cut = post(
         client,
         "cut",
-        **{
+        None,
+        environ={
             "wsgi.input": io.BytesIO(BODY[:10]),
             "wsgi.input_terminated": True,
             "CONTENT_LENGTH": str(len(BODY)),
         },
+        **JSON,
     )
     assert_problem(cut, 400, "request-body-incomplete")
     assert cut.headers["Idempotency-Key"] == "cut"
     assert (counter.calls, _records(store)) == (0, 0), "refused before any claim"
-    full = _post(client, "cut", body=BODY)
+    full = post(client, "cut", BODY)
     assert full.status_code == 201, full.data
     assert full.get_json()["amount"] == 4200
 
 
 def test_a_broken_chunked_body_is_400_not_500(store: SQLStore, app_factory: Factory) -> None:
     app, _, counter = app_factory()
-    cut = _post(
+    cut = post(
         app.test_client(),
         "chunked",
-        **{"wsgi.input": _Broken(BODY[:10]), "wsgi.input_terminated": True},
+        None,
+        environ={"wsgi.input": _Broken(BODY[:10]), "wsgi.input_terminated": True},
+        **JSON,
     )
     assert_problem(cut, 400, "request-body-incomplete")
     assert (counter.calls, _records(store)) == (0, 0)
@@ -99,11 +94,13 @@ def test_a_body_over_the_limit_is_413(
     environ: dict[str, t.Any] = {"wsgi.input": io.BytesIO(big), "wsgi.input_terminated": True}
     if declared:
         environ["CONTENT_LENGTH"] = str(len(big))
-    assert_problem(_post(app.test_client(), "big", **environ), 413, "request-body-too-large")
+    assert_problem(
+        post(app.test_client(), "big", None, environ=environ, **JSON), 413, "request-body-too-large"
+    )
     assert (counter.calls, _records(store)) == (0, 0)
     exact = json.dumps({"amount": 1, "note": "x" * (100 - 25)}).encode()
     assert len(exact) == 100
-    assert _post(app.test_client(), "exact", body=exact).status_code == 201
+    assert post(app.test_client(), "exact", exact).status_code == 201
 
 
 def test_the_view_reads_the_same_body_and_form_data(app_factory: Factory) -> None:
@@ -134,7 +131,7 @@ def test_a_whole_chunked_body_reaches_the_fingerprint_and_the_view(app_factory: 
             "HTTP_TRANSFER_ENCODING": "chunked",
             "CONTENT_LENGTH": None,
         }
-        return _post(client, "whole-chunked", **environ)
+        return post(client, "whole-chunked", None, environ=environ, **JSON)
 
     first = chunked(BODY)
     assert first.status_code == 201 and first.get_json()["amount"] == 4200, "the view saw it"
@@ -233,5 +230,5 @@ def test_the_applications_own_body_limit_still_holds_with_a_key(
             flask.request.max_content_length = 16
 
     big = json.dumps({"amount": 1, "note": "x" * 64}).encode()
-    assert _post(app.test_client(), "big", body=big).status_code == 413
+    assert post(app.test_client(), "big", big).status_code == 413
     assert (counter.calls, _records(store)) == (0, 0)

@@ -53,22 +53,20 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, st
     }
 
 
-def _post(client: t.Any, key: str, **body: t.Any) -> int:
-    return int(post(client, key, body, path="/pay").status_code)
-
-
 def test_outcomes_are_counted_by_endpoint_outcome_and_status(store: SQLStore) -> None:
     registry = CollectorRegistry()
     client = _app(store, registry).test_client()
-    assert _post(client, SECRET) == 201
-    assert _post(client, SECRET) == 201  # replayed
-    assert _post(client, SECRET, other=1) == 422
-    assert _post(client, "crash", crash=True) == 500  # released
-    assert _post(client, "unknown", unknown=True) == 500
-    assert _post(client, "unknown", unknown=True) == 409  # outcome-pending
+    assert post(client, SECRET, {}, path="/pay").status_code == 201
+    assert post(client, SECRET, {}, path="/pay").status_code == 201  # replayed
+    assert post(client, SECRET, {"other": 1}, path="/pay").status_code == 422
+    assert post(client, "crash", {"crash": True}, path="/pay").status_code == 500  # released
+    assert post(client, "unknown", {"unknown": True}, path="/pay").status_code == 500
+    assert (
+        post(client, "unknown", {"unknown": True}, path="/pay").status_code == 409
+    )  # outcome-pending
     scope = Scope("alpha", "POST /pay", "held")
     store.claim(scope, b"x" * 32, ttl=60, lease=60)
-    assert _post(client, "held") in (409, 422)
+    assert post(client, "held", {}, path="/pay").status_code in (409, 422)
     samples = _samples(registry)
 
     def requests(outcome: str, status: str) -> float:
@@ -138,9 +136,9 @@ def test_one_log_record_per_transition_with_the_documented_fields(
 ) -> None:
     client = _app(store, CollectorRegistry()).test_client()
     caplog.set_level(logging.INFO, logger="flask_idem.events")
-    _post(client, SECRET)
-    _post(client, SECRET)
-    _post(client, "unknown", unknown=True)
+    post(client, SECRET, {}, path="/pay")
+    post(client, SECRET, {}, path="/pay")
+    post(client, "unknown", {"unknown": True}, path="/pay")
     events = [r for r in caplog.records if r.name == "flask_idem.events"]
     assert [(r.event, r.levelname) for r in events] == [  # type: ignore[attr-defined]
         ("claimed", "INFO"),

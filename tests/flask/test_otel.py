@@ -31,6 +31,8 @@ from tests.support.answers import post
 
 SECRET = "otel-secret-key-4f8c2a1e"
 BODY_SECRET = "card-4242-body-secret"
+#: The body every request here sends (plus what a test adds): a secret that must stay out of spans.
+CARD: t.Final = {"card": BODY_SECRET}
 
 
 class Recorded:
@@ -121,10 +123,6 @@ def _app(store: SQLStore, recorded: Recorded) -> tuple[flask.Flask, Idempotency]
     return app, idem
 
 
-def _post(client: t.Any, key: str = SECRET, **body: t.Any) -> t.Any:
-    return post(client, key, {"card": BODY_SECRET, **body}, path="/pay")
-
-
 def _attrs(span: ReadableSpan) -> dict[str, t.Any]:
     return dict(span.attributes or {})
 
@@ -136,8 +134,8 @@ def test_a_new_key_and_its_replay_are_spans_with_claim_view_and_completion(
     client = app.test_client()
     outer = trace.get_tracer("flask", tracer_provider=recorded.tracer_provider)
     with outer.start_as_current_span("POST /pay") as http_span:  # as Flask's instrumentation
-        assert _post(client).status_code == 201
-    assert _post(client).status_code == 201
+        assert post(client, SECRET, CARD, path="/pay").status_code == 201
+    assert post(client, SECRET, CARD, path="/pay").status_code == 201
     first, replay = recorded.attempts()
     assert first.name == "idempotency POST /pay"
     assert first.parent is not None and first.parent.span_id == http_span.get_span_context().span_id
@@ -172,9 +170,9 @@ def test_a_new_key_and_its_replay_are_spans_with_claim_view_and_completion(
 def test_mismatch_crash_and_the_counters(store: SQLStore, recorded: Recorded) -> None:
     app, _ = _app(store, recorded)
     client = app.test_client()
-    assert _post(client).status_code == 201
-    assert _post(client, amount=1).status_code == 422
-    assert _post(client, "crash-key", crash=True).status_code == 500
+    assert post(client, SECRET, CARD, path="/pay").status_code == 201
+    assert post(client, SECRET, {**CARD, "amount": 1}, path="/pay").status_code == 422
+    assert post(client, "crash-key", {**CARD, "crash": True}, path="/pay").status_code == 500
     _, mismatch, crash = recorded.attempts()
     assert _attrs(mismatch)["idempotency.outcome"] == "mismatch"
     assert _attrs(mismatch)["idempotency.status"] == 422

@@ -54,10 +54,6 @@ def business(store: SQLStore) -> t.Iterator[sa.Table]:
     ledger.metadata.drop_all(store.engine)
 
 
-def _post(client: t.Any, path: str, key: str = "k", **headers: str) -> t.Any:
-    return post(client, key, None, path=path, **headers)
-
-
 def _record(store: SQLStore, path: str, key: str = "k") -> t.Any:
     return store.get(Scope("alpha", f"POST {path}", key))
 
@@ -82,12 +78,12 @@ def test_provider_timeout_then_retry_charges_once(app_factory: Factory, failure:
         return {"charge": charge}, 201
 
     client = app.test_client()
-    first = _post(client, "/pay")
+    first = post(client, "k", None, path="/pay")
     assert first.status_code == (500 if failure == "raise" else int(failure))
-    retry = _post(client, "/pay")
+    retry = post(client, "k", None, path="/pay")
     assert retry.status_code == 201 and "Idempotent-Replayed" not in retry.headers
     assert retry.get_json() == {"charge": 1}
-    assert _post(client, "/pay").headers["Idempotent-Replayed"] == "true"
+    assert post(client, "k", None, path="/pay").headers["Idempotent-Replayed"] == "true"
     assert len(provider.charges) == 1 and provider.calls == 2, "one charge, one re-run"
 
 
@@ -112,12 +108,16 @@ def test_a_retry_that_took_over_never_gives_the_key_back(
         return {"charge": provider.charge(idem.downstream_key("charge"))}, 201
 
     client = app.test_client()
-    assert _post(client, "/pay").status_code == 500, "charged, then the answer was lost"
+    assert post(client, "k", None, path="/pay").status_code == 500, (
+        "charged, then the answer was lost"
+    )
     refusing["on"] = True
-    assert _post(client, "/pay").status_code == 503, "the re-run fails before its contact"
+    assert post(client, "k", None, path="/pay").status_code == 503, (
+        "the re-run fails before its contact"
+    )
     assert _record(store, "/pay").state is State.UNKNOWN, "still the same operation"
     refusing["on"] = False
-    assert _post(client, "/pay").get_json() == {"charge": 1}
+    assert post(client, "k", None, path="/pay").get_json() == {"charge": 1}
     assert len(provider.charges) == 1, "one downstream key charged for one operation"
 
 
@@ -133,9 +133,9 @@ def test_provider_timeout_on_a_fail_view_waits_for_reconciliation(
         return {"charge": provider.charge(idem.downstream_key("charge"))}, 201
 
     client = app.test_client()
-    assert _post(client, "/pay").status_code == 500
+    assert post(client, "k", None, path="/pay").status_code == 500
     for _ in range(2):
-        assert problem_name(_post(client, "/pay")) == "outcome-pending"
+        assert problem_name(post(client, "k", None, path="/pay")) == "outcome-pending"
     assert _record(store, "/pay").state is State.UNKNOWN
     assert provider.calls == 1
 
@@ -159,12 +159,12 @@ def test_a_view_that_declares_nothing_never_releases(app_factory: Factory, store
         return "busy", 503
 
     client = app.test_client()
-    first = _post(client, "/quiet")
+    first = post(client, "k", None, path="/quiet")
     assert first.status_code == 500
     assert "may have had an effect" in first.get_json()["detail"]
-    assert problem_name(_post(client, "/quiet")) == "outcome-pending"
-    assert _post(client, "/unavailable").status_code == 503
-    assert problem_name(_post(client, "/unavailable")) == "outcome-pending"
+    assert problem_name(post(client, "k", None, path="/quiet")) == "outcome-pending"
+    assert post(client, "k", None, path="/unavailable").status_code == 503
+    assert problem_name(post(client, "k", None, path="/unavailable")) == "outcome-pending"
     assert counter.calls == 2
     assert _record(store, "/quiet").state is State.UNKNOWN
 
@@ -191,7 +191,10 @@ def test_a_views_own_abort_500_is_its_answer_without_a_crashs_advice(
         flask.abort(500, description="The provider refused the charge; see the payment.")
 
     client = app.test_client()
-    first, replay = _post(client, "/gave-up"), _post(client, "/gave-up")
+    first, replay = (
+        post(client, "k", None, path="/gave-up"),
+        post(client, "k", None, path="/gave-up"),
+    )
     for answer in (first, replay):
         assert answer.status_code == 500 and problem_name(answer) == "internal-error"
         assert answer.get_json()["detail"] == "The provider refused the charge; see the payment."
@@ -214,9 +217,9 @@ def test_a_failure_before_contact_releases_when_the_view_release_before_contact(
         return "done", 201
 
     client = app.test_client()
-    first = _post(client, "/validate")
+    first = post(client, "k", None, path="/validate")
     assert first.status_code == 500 and "Nothing was recorded" in first.get_json()["detail"]
-    assert _post(client, "/validate").status_code == 201
+    assert post(client, "k", None, path="/validate").status_code == 201
     assert counter.calls == 2
 
 
@@ -238,9 +241,9 @@ def test_system_exit_after_contact_leaves_the_key_unknown(
 
     client = app.test_client()
     with pytest.raises(exception):
-        _post(client, "/pay")
+        post(client, "k", None, path="/pay")
     assert _record(store, "/pay").state is State.UNKNOWN
-    assert _post(client, "/pay").get_json() == {"charge": 1}
+    assert post(client, "k", None, path="/pay").get_json() == {"charge": 1}
     assert len(provider.charges) == 1
 
 
@@ -261,13 +264,13 @@ def test_store_failing_after_the_charge_tells_the_truth_and_finishes_on_retry(
         return {"charge": charge}, 201
 
     client = app.test_client()
-    failed = _post(client, "/pay")
+    failed = post(client, "k", None, path="/pay")
     assert problem_name(failed) == "store-unavailable"
     assert "may have taken effect" in failed.get_json()["detail"]
     assert "nothing was changed" not in failed.get_json()["detail"]
     assert failed.headers["Idempotent-Stored"] == "false", "the 503 is never replayed"
     assert _record(store, "/pay").state is State.UNKNOWN
-    retry = _post(client, "/pay")
+    retry = post(client, "k", None, path="/pay")
     assert retry.status_code == 201 and retry.get_json() == {"charge": 1}
     assert len(provider.charges) == 1
     with store.engine.connect() as conn:
@@ -295,14 +298,14 @@ def test_a_catch_all_error_handler_stores_and_commits_nothing(
         return "written", 201
 
     client = app.test_client()
-    first = _post(client, "/write")
+    first = post(client, "k", None, path="/write")
     assert first.status_code == 500 and first.get_json() == {"error": "internal"}
     assert _record(store, "/write") is None, "nothing stored: the key was given back"
     with store.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(business)).scalar() == 0
-    second = _post(client, "/write")
+    second = post(client, "k", None, path="/write")
     assert second.status_code == 201 and "Idempotent-Replayed" not in second.headers
-    assert _post(client, "/write").headers["Idempotent-Replayed"] == "true"
+    assert post(client, "k", None, path="/write").headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 2
 
 
@@ -320,8 +323,8 @@ def test_a_500_returned_on_purpose_is_stored(app_factory: Factory) -> None:
         return {"error": "the ledger refused"}, 500
 
     client = app.test_client()
-    _post(client, "/on-purpose")
-    assert _post(client, "/on-purpose").headers["Idempotent-Replayed"] == "true"
+    post(client, "k", None, path="/on-purpose")
+    assert post(client, "k", None, path="/on-purpose").headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1
 
 
@@ -354,14 +357,14 @@ def test_a_restricted_credential_never_sees_a_stored_response(
         return {"refund": "re_1", "secret": "stored body"}, 201
 
     client = app.test_client()
-    assert _post(client, "/refunds").status_code == 201
+    assert post(client, "k", None, path="/refunds").status_code == 201
     for body in (None, b'{"other": 1}'):
         refused = client.post(
             "/refunds", data=body, headers={"Idempotency-Key": "k", "X-Permissions": "read"}
         )
         assert refused.status_code == 403 and b"stored body" not in refused.data
         assert "Idempotent-Replayed" not in refused.headers
-    fresh = _post(client, "/refunds", key="fresh", **{"X-Permissions": "read"})
+    fresh = post(client, "fresh", None, path="/refunds", **{"X-Permissions": "read"})
     assert fresh.status_code == 403
     assert _record(store, "/refunds", "fresh") is None, "no claim for a refused request"
     assert counter.calls == 1
@@ -387,10 +390,10 @@ def test_blueprint_protection_claims_after_blueprint_hooks(store: SQLStore) -> N
     idem.init_app(app)
     app.register_blueprint(blueprint)
     client = app.test_client()
-    assert _post(client, "/orders").status_code == 201
-    refused = _post(client, "/orders", **{"X-Permissions": "read"})
+    assert post(client, "k", None, path="/orders").status_code == 201
+    refused = post(client, "k", None, path="/orders", **{"X-Permissions": "read"})
     assert refused.status_code == 403 and "Idempotent-Replayed" not in refused.headers
-    assert _post(client, "/orders").headers["Idempotent-Replayed"] == "true"
+    assert post(client, "k", None, path="/orders").headers["Idempotent-Replayed"] == "true"
     assert calls.calls == 1
 
 
@@ -410,8 +413,8 @@ def test_a_request_longer_than_its_ttl_replays_afterwards(
         return "done", 201
 
     client = app.test_client()
-    assert _post(client, "/long").status_code == 201
-    replay = _post(client, "/long")
+    assert post(client, "k", None, path="/long").status_code == 201
+    replay = post(client, "k", None, path="/long")
     assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1
 
@@ -439,8 +442,8 @@ def test_replay_callable_regenerates_short_lived_values(app_factory: Factory) ->
         return {"document": "inv-7", "url": sign("inv-7")}, 201
 
     client = app.test_client()
-    first = _post(client, "/exports")
-    replay = _post(client, "/exports")
+    first = post(client, "k", None, path="/exports")
+    replay = post(client, "k", None, path="/exports")
     assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert replay.get_json()["document"] == "inv-7"
     assert replay.get_json()["url"] != first.get_json()["url"], "a new signature, not the old"
@@ -462,14 +465,14 @@ def test_reopened_record_reruns_as_the_same_operation(
         return {"charge": provider.charge(idem.downstream_key("charge"))}, 201
 
     client = app.test_client()
-    assert _post(client, "/pay").status_code == 500
-    assert problem_name(_post(client, "/pay")) == "outcome-pending"
+    assert post(client, "k", None, path="/pay").status_code == 500
+    assert problem_name(post(client, "k", None, path="/pay")) == "outcome-pending"
     scope = Scope("alpha", "POST /pay", "k")
     token = store.get(scope).claim_token
     assert not store.reopen(scope, token="another"), "fenced by the token seen"
     assert store.reopen(scope, token=token)
     assert not store.reopen(scope, token=token), "only stuck records reopen"
-    assert _post(client, "/pay").get_json() == {"charge": 1}
+    assert post(client, "k", None, path="/pay").get_json() == {"charge": 1}
     assert len(provider.charges) == 1 and provider.calls == 2
 
 
@@ -514,9 +517,9 @@ def test_a_method_view_is_protected(app_factory: Factory) -> None:
 
     app.add_url_rule("/orders", view_func=Orders.as_view("orders"))
     client = app.test_client()
-    first = _post(client, "/orders")
+    first = post(client, "k", None, path="/orders")
     assert first.headers["Idempotency-Key"] == "k"
-    assert _post(client, "/orders").headers["Idempotent-Replayed"] == "true"
+    assert post(client, "k", None, path="/orders").headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1
 
 
@@ -541,8 +544,8 @@ def test_blueprints_are_protected_wherever_they_are_mounted(store: SQLStore) -> 
     app.register_blueprint(api, url_prefix="/api")
     client = app.test_client()
     for path in ("/v1/pay", "/v2/pay", "/api/child/pay"):
-        assert _post(client, path).status_code == 201
-        assert _post(client, path).headers["Idempotent-Replayed"] == "true", path
+        assert post(client, "k", None, path=path).status_code == 201
+        assert post(client, "k", None, path=path).headers["Idempotent-Replayed"] == "true", path
     assert calls.calls == 3
 
 
@@ -571,7 +574,7 @@ def test_an_exception_raised_around_the_view_is_a_crash(
         idem.side_effect()
         return "done", 201
 
-    assert _post(app.test_client(), "/around").status_code == 500
+    assert post(app.test_client(), "k", None, path="/around").status_code == 500
     assert _record(store, "/around").state is State.UNKNOWN, "never a stored 500"
     with store.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(business)).scalar() == 0
@@ -590,8 +593,8 @@ def test_a_failing_replay_never_says_nothing_was_recorded(app_factory: Factory) 
         return "link", 201
 
     client = app.test_client()
-    _post(client, "/links")
-    failed = _post(client, "/links")
+    post(client, "k", None, path="/links")
+    failed = post(client, "k", None, path="/links")
     assert failed.status_code == 500 and "Nothing was recorded" not in failed.get_json()["detail"]
     assert counter.calls == 1
 
@@ -619,15 +622,17 @@ def test_a_stale_reconciler_verdict_never_settles_a_retry(
 
     @idem.reconciler(pay)
     def outcome(record: t.Any) -> Verdict:
-        assert _post(client, "/pay").status_code == 500, "the retry charged, then failed"
+        assert post(client, "k", None, path="/pay").status_code == 500, (
+            "the retry charged, then failed"
+        )
         return Verdict.not_happened("the provider had nothing when asked")
 
-    assert _post(client, "/pay").status_code == 500
+    assert post(client, "k", None, path="/pay").status_code == 500
     with app.app_context():
         [settlement] = list(reconcile(store.stuck()))
     assert settlement.action.value == "skipped"
     assert _record(store, "/pay").state is State.UNKNOWN
-    assert _post(client, "/pay").get_json() == {"charge": 1}
+    assert post(client, "k", None, path="/pay").get_json() == {"charge": 1}
     assert len(provider.charges) == 1, "one charge: the record was never deleted"
 
 
@@ -646,7 +651,7 @@ def test_reconcile_finds_views_the_extension_wrapped(store: SQLStore) -> None:
     idem.init_app(app)
     app.register_blueprint(blueprint)
     idem.reconciler(create_order)(lambda record: Verdict.happened(("ordered", 201)))
-    assert _post(app.test_client(), "/orders").status_code == 500
+    assert post(app.test_client(), "k", None, path="/orders").status_code == 500
     with app.app_context():
         [settlement] = list(reconcile(store.stuck()))
     assert settlement.action.value == "completed"
@@ -661,9 +666,9 @@ def test_a_header_with_a_nul_is_never_stored_as_json(app_factory: Factory, store
         counter.bump()
         return "made", 201, {"Location": "/p/a\x00b"}
 
-    assert _post(app.test_client(), "/nul").status_code == 201
+    assert post(app.test_client(), "k", None, path="/nul").status_code == 201
     assert _record(store, "/nul").state is State.UNSTORED, "not unknown after a jsonb error"
-    assert problem_name(_post(app.test_client(), "/nul")) == "response-not-stored"
+    assert problem_name(post(app.test_client(), "k", None, path="/nul")) == "response-not-stored"
     assert counter.calls == 1
 
 
@@ -677,9 +682,13 @@ def test_a_repeated_query_field_keeps_the_order_of_its_values(app_factory: Facto
         return {"a": flask.request.args["a"]}, 201
 
     client = app.test_client()
-    assert _post(client, "/pick?a=1&a=2&b=x").get_json() == {"a": "1"}
-    assert _post(client, "/pick?b=x&a=1&a=2").headers["Idempotent-Replayed"] == "true"
-    assert problem_name(_post(client, "/pick?a=2&a=1&b=x")) == "idempotency-key-reused"
+    assert post(client, "k", None, path="/pick?a=1&a=2&b=x").get_json() == {"a": "1"}
+    assert (
+        post(client, "k", None, path="/pick?b=x&a=1&a=2").headers["Idempotent-Replayed"] == "true"
+    )
+    assert (
+        problem_name(post(client, "k", None, path="/pick?a=2&a=1&b=x")) == "idempotency-key-reused"
+    )
     assert counter.calls == 1
 
 
@@ -705,7 +714,7 @@ def test_an_atomic_views_store_outage_is_reported(store: SQLStore) -> None:
     def atomic() -> t.Any:
         return "never", 201
 
-    assert problem_name(_post(app.test_client(), "/atomic")) == "store-unavailable"
+    assert problem_name(post(app.test_client(), "k", None, path="/atomic")) == "store-unavailable"
     assert seen == ["store_unavailable"]
 
 
@@ -725,6 +734,6 @@ def test_a_request_that_lost_its_lease_reports_no_transition_it_did_not_make(
         assert store.take_over(scope, record.claim_token, lease=30) is not None
         raise RuntimeError("fails after another request took it over")
 
-    assert _post(app.test_client(), "/lost").status_code == 500
+    assert post(app.test_client(), "k", None, path="/lost").status_code == 500
     assert seen == ["lease_lost"], seen
     assert _record(store, "/lost").state is State.IN_PROGRESS, "the new owner's record"

@@ -26,6 +26,7 @@ from flask_idem.core.fingerprint import fingerprint
 from flask_idem.core.scopes import ACCOUNT, account_fingerprint
 from flask_idem.ops.reconcile import Verdict, reconcile
 from flask_idem.store import SQLStore
+from tests.support.answers import PAYMENT, post, problem_name
 from tests.support.helpers import Counter
 
 ORDERS, PAYMENTS, REFUNDS = "POST /orders", "POST /payments", "POST /refunds"
@@ -77,19 +78,6 @@ def _build(
     return app, idem, counter
 
 
-def _post(
-    app: flask.Flask, path: str, key: str, credential: str | None = None, **body: t.Any
-) -> flask.Response:
-    headers = {"Idempotency-Key": key}
-    if credential is not None:
-        headers["Authorization"] = credential
-    return app.test_client().post(path, json=body or {"amount": 1}, headers=headers)
-
-
-def _problem(response: flask.Response) -> str:
-    return str(response.get_json()["type"]).rpartition("/")[2]
-
-
 def _key() -> str:
     return f"scope-{uuid.uuid4().hex}"
 
@@ -107,18 +95,21 @@ def test_an_account_wide_key_reused_on_another_endpoint_is_refused(
     apart from the rest: the reuse elsewhere is told from a reuse with another body."""
     app, _, counter = _build(store, IDEMPOTENCY_SCOPE="account", IDEMPOTENCY_KEY_SECRETS=secrets)
     key = _key()
-    first = _post(app, "/orders", key)
+    first = post(app, key, path="/orders")
     assert first.status_code == 201 and counter.calls == 1
-    again = _post(app, "/orders", key)
+    again = post(app, key, path="/orders")
     assert again.headers["Idempotent-Replayed"] == "true" and again.json == first.json
-    for elsewhere in (_post(app, "/payments", key), _post(app, "/payments", key, amount=2)):
+    for elsewhere in (
+        post(app, key, path="/payments"),
+        post(app, key, {"amount": 2}, path="/payments"),
+    ):
         assert elsewhere.status_code == 422
         assert elsewhere.content_type == "application/problem+json"
-        assert _problem(elsewhere) == "idempotency-key-used-elsewhere"
+        assert problem_name(elsewhere) == "idempotency-key-used-elsewhere"
         assert "order" not in elsewhere.get_data(as_text=True), "never the first one's answer"
     assert counter.calls == 1, "nothing ran elsewhere"
-    other_body = _post(app, "/orders", key, amount=2)
-    assert other_body.status_code == 422 and _problem(other_body) == "idempotency-key-reused"
+    other_body = post(app, key, {"amount": 2}, path="/orders")
+    assert other_body.status_code == 422 and problem_name(other_body) == "idempotency-key-reused"
     record = store.get(Scope("alpha", ACCOUNT, key))
     assert record is not None and record.state is State.COMPLETED
     assert store.get(Scope("alpha", ORDERS, key)) is None, "no endpoint in the namespace"
@@ -131,8 +122,10 @@ def test_an_account_wide_key_in_progress_elsewhere_is_refused_not_409(store: SQL
     key = _key()
     orders = account_fingerprint(ORDERS, b"\0" * 32)
     assert store.claim(Scope("alpha", ACCOUNT, key), orders, ttl=60, lease=30).claimed
-    response = _post(app, "/payments", key)
-    assert response.status_code == 422 and _problem(response) == "idempotency-key-used-elsewhere"
+    response = post(app, key, path="/payments")
+    assert (
+        response.status_code == 422 and problem_name(response) == "idempotency-key-used-elsewhere"
+    )
     assert counter.calls == 0
 
 
@@ -141,12 +134,12 @@ def test_the_default_scope_is_the_endpoint_byte_for_byte(store: SQLStore) -> Non
     the plain canonical fingerprint."""
     app, _, counter = _build(store)
     key = _key()
-    assert _post(app, "/orders", key).status_code == 201
-    assert _post(app, "/payments", key).status_code == 201
+    assert post(app, key, path="/orders").status_code == 201
+    assert post(app, key, path="/payments").status_code == 201
     assert counter.calls == 2
     record = store.get(Scope("alpha", ORDERS, key))
     assert record is not None
-    body = json.dumps({"amount": 1}).encode()
+    body = json.dumps(PAYMENT).encode()
     assert record.fingerprint == fingerprint("POST", "/orders", {}, (), body, "application/json")
     assert store.get(Scope("alpha", ACCOUNT, key)) is None
 
@@ -156,17 +149,17 @@ def test_a_view_option_overrides_the_app_wide_scope(store: SQLStore) -> None:
     scopes never share a namespace."""
     account_view, _, counter = _build(store, view_options={"scope": "account"})
     key = _key()
-    assert _post(account_view, "/refunds", key).status_code == 201
-    assert _post(account_view, "/orders", key).status_code == 201, "its own namespace"
+    assert post(account_view, key, path="/refunds").status_code == 201
+    assert post(account_view, key, path="/orders").status_code == 201, "its own namespace"
     assert store.get(Scope("alpha", ACCOUNT, key)) is not None
     endpoint_view, _, _ = _build(
         store, IDEMPOTENCY_SCOPE="account", view_options={"scope": "endpoint"}
     )
     other = _key()
-    assert _post(endpoint_view, "/orders", other).status_code == 201
-    refused = _post(endpoint_view, "/payments", other)
-    assert refused.status_code == 422 and _problem(refused) == "idempotency-key-used-elsewhere"
-    assert _post(endpoint_view, "/refunds", other).status_code == 201
+    assert post(endpoint_view, other, path="/orders").status_code == 201
+    refused = post(endpoint_view, other, path="/payments")
+    assert refused.status_code == 422 and problem_name(refused) == "idempotency-key-used-elsewhere"
+    assert post(endpoint_view, other, path="/refunds").status_code == 201
     assert store.get(Scope("alpha", REFUNDS, other)) is not None
     assert counter.calls == 2
 
@@ -189,9 +182,9 @@ def test_a_blueprint_can_be_account_wide(store: SQLStore) -> None:
     idem.protect_blueprint(blueprint, scope="account")
     app.register_blueprint(blueprint)
     key = _key()
-    assert _post(app, "/invoices", key).status_code == 201
-    refused = _post(app, "/credits", key)
-    assert refused.status_code == 422 and _problem(refused) == "idempotency-key-used-elsewhere"
+    assert post(app, key, path="/invoices").status_code == 201
+    refused = post(app, key, path="/credits")
+    assert refused.status_code == 422 and problem_name(refused) == "idempotency-key-used-elsewhere"
     assert counter.calls == 1
 
 
@@ -229,18 +222,18 @@ def test_bad_scope_options_fail_when_declared(
 def test_principals_of_one_tenant_have_keys_of_their_own(store: SQLStore) -> None:
     app, _, counter = _build(store, IDEMPOTENCY_PRINCIPAL=_principal)
     key = _key()
-    alice = _post(app, "/orders", key, "sk_alice")
-    bob = _post(app, "/orders", key, "sk_bob")
+    alice = post(app, key, path="/orders", authorization="sk_alice")
+    bob = post(app, key, path="/orders", authorization="sk_bob")
     assert alice.status_code == bob.status_code == 201 and counter.calls == 2
     assert alice.json == {"order": 1, "by": "sk_alice"} and bob.json == {"order": 2, "by": "sk_bob"}
     for credential, first in (("sk_alice", alice), ("sk_bob", bob)):
-        retry = _post(app, "/orders", key, credential)
+        retry = post(app, key, path="/orders", authorization=credential)
         assert retry.headers["Idempotent-Replayed"] == "true" and retry.json == first.json
     assert counter.calls == 2
     record = store.get(Scope("alpha", "principal=key_alice POST /orders", key))
     assert record is not None and record.scope.tenant == "alpha", "the tenant stays the tenant"
     assert store.get(Scope("alpha", ORDERS, key)) is None
-    integer = _post(app, "/orders", key, "sk_int")
+    integer = post(app, key, path="/orders", authorization="sk_int")
     assert integer.status_code == 201
     assert store.get(Scope("alpha", "principal=42 POST /orders", key)) is not None
 
@@ -248,10 +241,14 @@ def test_principals_of_one_tenant_have_keys_of_their_own(store: SQLStore) -> Non
 def test_principal_and_account_wide_scopes_compose(store: SQLStore) -> None:
     app, _, counter = _build(store, IDEMPOTENCY_SCOPE="account", IDEMPOTENCY_PRINCIPAL=_principal)
     key = _key()
-    assert _post(app, "/orders", key, "sk_alice").status_code == 201
-    elsewhere = _post(app, "/payments", key, "sk_alice")
-    assert elsewhere.status_code == 422 and _problem(elsewhere) == "idempotency-key-used-elsewhere"
-    assert _post(app, "/payments", key, "sk_bob").status_code == 201, "Bob's own key"
+    assert post(app, key, path="/orders", authorization="sk_alice").status_code == 201
+    elsewhere = post(app, key, path="/payments", authorization="sk_alice")
+    assert (
+        elsewhere.status_code == 422 and problem_name(elsewhere) == "idempotency-key-used-elsewhere"
+    )
+    assert post(app, key, path="/payments", authorization="sk_bob").status_code == 201, (
+        "Bob's own key"
+    )
     assert counter.calls == 2
     assert store.get(Scope("alpha", "principal=key_alice *", key)) is not None
     assert store.get(Scope("alpha", "principal=key_bob *", key)) is not None
@@ -260,9 +257,9 @@ def test_principal_and_account_wide_scopes_compose(store: SQLStore) -> None:
 def test_a_view_principal_overrides_the_app_wide_one(store: SQLStore) -> None:
     app, _, _ = _build(store, view_options={"principal": lambda: "view-principal"})
     key = _key()
-    assert _post(app, "/refunds", key).status_code == 201
+    assert post(app, key, path="/refunds").status_code == 201
     assert store.get(Scope("alpha", "principal=view-principal POST /refunds", key)) is not None
-    assert _post(app, "/orders", key).status_code == 201
+    assert post(app, key, path="/orders").status_code == 201
     assert store.get(Scope("alpha", ORDERS, key)) is not None, "no principal app-wide"
 
 
@@ -304,9 +301,9 @@ def test_an_unusable_principal_is_refused_before_any_claim(
     app, _, counter = _build(store, IDEMPOTENCY_PRINCIPAL=_principal)
     key = _key()
     with caplog.at_level(logging.ERROR, logger="flask_idem"):
-        response = _post(app, "/orders", key, credential)
+        response = post(app, key, path="/orders", authorization=credential)
     assert response.status_code == 500, response.get_data(as_text=True)
-    assert _problem(response) == "principal-unresolved"
+    assert problem_name(response) == "principal-unresolved"
     assert response.content_type == "application/problem+json"
     assert counter.calls == 0
     assert store.find("alpha", key) == []
@@ -320,7 +317,7 @@ def test_an_unusable_principal_is_refused_before_any_claim(
 
 def test_a_principal_callable_that_aborts_is_answered_as_it_aborts(store: SQLStore) -> None:
     app, _, counter = _build(store, IDEMPOTENCY_PRINCIPAL=_principal)
-    response = _post(app, "/orders", _key(), "sk_abort")
+    response = post(app, _key(), path="/orders", authorization="sk_abort")
     assert response.status_code == 401 and counter.calls == 0
 
 
@@ -329,9 +326,9 @@ def test_a_principal_too_long_for_the_endpoint_is_refused(store: SQLStore) -> No
     not fit is refused, never truncated into another principal's namespace."""
     app, idem, counter = _build(store, IDEMPOTENCY_PRINCIPAL=lambda: "p" * 128)
     app.add_url_rule("/" + "x" * 120, "long", idem.idempotent(counter.bump), methods=["POST"])
-    response = _post(app, "/" + "x" * 120, _key())
-    assert response.status_code == 500 and _problem(response) == "principal-unresolved"
-    assert _post(app, "/orders", _key()).status_code == 201
+    response = post(app, _key(), path="/" + "x" * 120)
+    assert response.status_code == 500 and problem_name(response) == "principal-unresolved"
+    assert post(app, _key(), path="/orders").status_code == 201
     assert counter.calls == 1
 
 
@@ -347,8 +344,8 @@ def test_events_name_the_endpoint_never_the_principal(store: SQLStore) -> None:
 
     key = _key()
     with signals.claimed.connected_to(collect), signals.mismatch.connected_to(collect):
-        assert _post(app, "/orders", key, "sk_alice").status_code == 201
-        assert _post(app, "/payments", key, "sk_alice").status_code == 422
+        assert post(app, key, path="/orders", authorization="sk_alice").status_code == 201
+        assert post(app, key, path="/payments", authorization="sk_alice").status_code == 422
     assert seen == [("claimed", ORDERS), ("mismatch", PAYMENTS)]
 
 
@@ -369,12 +366,12 @@ def test_the_inspection_endpoint_shows_a_principal_only_its_own_records(
 ) -> None:
     app, _, _ = _build(store, IDEMPOTENCY_PRINCIPAL=_principal)
     key = _key()
-    assert _post(app, "/orders", key, "sk_alice").status_code == 201
+    assert post(app, key, path="/orders", authorization="sk_alice").status_code == 201
     mine = _inspect(app, key, "sk_alice")
     assert mine.status_code == 200
     assert [r["endpoint"] for r in mine.json["requests"]] == ["principal=key_alice POST /orders"]
     theirs = _inspect(app, key, "sk_bob")
-    assert theirs.status_code == 404 and _problem(theirs) == "idempotency-key-unknown"
+    assert theirs.status_code == 404 and problem_name(theirs) == "idempotency-key-unknown"
     assert _inspect(app, key, "sk_raise").status_code == 404, "no principal: none of theirs"
     filtered = _inspect(app, key, "sk_alice", "POST /orders")
     assert len(filtered.json["requests"]) == 1
@@ -386,7 +383,7 @@ def test_the_inspection_endpoint_finds_account_wide_records_by_endpoint(
 ) -> None:
     app, _, _ = _build(store, IDEMPOTENCY_SCOPE="account")
     key = _key()
-    assert _post(app, "/orders", key).status_code == 201
+    assert post(app, key, path="/orders").status_code == 201
     found = _inspect(app, key, "sk_alice", "POST /orders")
     assert found.status_code == 200
     assert [r["endpoint"] for r in found.json["requests"]] == [ACCOUNT]
@@ -403,8 +400,8 @@ def test_flask_idem_show_and_release_name_the_scope_as_records_spell_it(
 ) -> None:
     app, _, _ = _build(store, IDEMPOTENCY_SCOPE="account", IDEMPOTENCY_PRINCIPAL=_principal)
     key = _key()
-    assert _post(app, "/orders", key, "sk_alice").status_code == 201
-    assert _post(app, "/orders", key, "sk_bob").status_code == 201
+    assert post(app, key, path="/orders", authorization="sk_alice").status_code == 201
+    assert post(app, key, path="/orders", authorization="sk_bob").status_code == 201
     every = _idem(app, "show", "--tenant", "alpha", "--json", input=key)
     assert every.exit_code == 0, every.output
     assert sorted(r["endpoint"] for r in json.loads(every.stdout)) == [
@@ -484,8 +481,8 @@ def test_endpoints_racing_with_one_account_wide_key_run_one_of_them(
     def send(path: str, key: str) -> tuple[int, str]:
         client = app.test_client()
         start.wait()
-        response = client.post(path, json={"amount": 1}, headers={"Idempotency-Key": key})
-        return response.status_code, _problem(response) if response.status_code >= 400 else ""
+        response = post(client, key, path=path)
+        return response.status_code, problem_name(response) if response.status_code >= 400 else ""
 
     allowed = {(422, "idempotency-key-used-elsewhere")}
     if atomic:
@@ -499,9 +496,9 @@ def test_endpoints_racing_with_one_account_wide_key_run_one_of_them(
             assert set(sorted(answers)[1:]) <= allowed, answers
             [(winner, _)] = [run for run in runs if run[1] == key]
             for path in ENDPOINTS:
-                again = _post(app, path, key)
+                again = post(app, key, path=path)
                 if path == winner:
                     assert again.headers["Idempotent-Replayed"] == "true"
                 else:
-                    assert _problem(again) == "idempotency-key-used-elsewhere"
+                    assert problem_name(again) == "idempotency-key-used-elsewhere"
     assert len(runs) == ROUNDS

@@ -19,11 +19,9 @@ from tests.support.helpers import Counter, count_statements, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 SECRET = "audit-secret-key-0042"
+#: The body every request here sends: a note that must stay out of the trail.
+NOTED: t.Final = {"amount": 4200, "note": "cus_SECRET_BODY"}
 ENDPOINT = "POST /payments"
-
-
-def _post(client: t.Any, key: str = SECRET, amount: int = 4200) -> t.Any:
-    return post(client, key, {"amount": amount, "note": "cus_SECRET_BODY"})
 
 
 def _history(app: flask.Flask, key: str = SECRET, *args: str) -> list[dict[str, t.Any]]:
@@ -55,9 +53,9 @@ def test_every_transition_is_one_row_and_answers_that_change_nothing_are_none(
         return Verdict.happened(({"settled": True}, 201), reason="provider shows ch_1")
 
     client = app.test_client()
-    assert _post(client).status_code == 201
-    assert _post(client).headers["Idempotent-Replayed"] == "true"  # no row
-    assert _post(client, amount=1).status_code == 422  # no row
+    assert post(client, SECRET, NOTED).status_code == 201
+    assert post(client, SECRET, NOTED).headers["Idempotent-Replayed"] == "true"  # no row
+    assert post(client, SECRET, {**NOTED, "amount": 1}).status_code == 422  # no row
     client.post("/status/503", headers={"Idempotency-Key": SECRET})
     client.post("/unknown", headers={"Idempotency-Key": SECRET})
     assert client.post("/unknown", headers={"Idempotency-Key": SECRET}).status_code == 409
@@ -150,9 +148,9 @@ def test_off_costs_nothing_and_on_costs_no_statement(app_factory: Factory, store
         client = app.test_client()
         key = f"cost-{audit}"
         with count_statements(store.engine) as new:
-            assert _post(client, key).status_code == 201
+            assert post(client, key, NOTED).status_code == 201
         with count_statements(store.engine) as replay:
-            assert _post(client, key).status_code == 201
+            assert post(client, key, NOTED).status_code == 201
         if not audit:
             assert not any("idempotency_audit" in s for s in new + replay), new + replay
             assert _rows(store) == []

@@ -23,6 +23,8 @@ def post(
     *,
     path: str = "/payments",
     tenant: str | None = None,
+    authorization: str | None = None,
+    environ: t.Mapping[str, t.Any] | None = None,
     **headers: str,
 ) -> t.Any:
     """POST ``body`` to a protected view with the ``Idempotency-Key`` header, through Flask's
@@ -35,6 +37,10 @@ def post(
     :param path: the view's URL.
     :param tenant: the ``X-Tenant`` header the test apps read the tenant from; ``None`` sends
         none.
+    :param authorization: the ``Authorization`` header the test apps read a principal from;
+        ``None`` sends none.
+    :param environ: WSGI environ overrides, for a body the server would hand over another way
+        (``wsgi.input``, ``wsgi.input_terminated``, a wrong ``CONTENT_LENGTH``).
     :param headers: further headers (``**{"X-Idempotency-Key": ...}``).
     """
     client = target.test_client() if isinstance(target, flask.Flask) else target
@@ -42,11 +48,14 @@ def post(
         headers.setdefault("Idempotency-Key", key)
     if tenant is not None:
         headers["X-Tenant"] = tenant
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    sent: dict[str, t.Any] = {"headers": headers, "environ_overrides": environ}
     if body is None:
-        return client.post(path, headers=headers)
+        return client.post(path, **sent)
     if isinstance(body, (bytes, str)):
-        return client.post(path, data=body, headers=headers, content_type="application/json")
-    return client.post(path, json=body, headers=headers)
+        return client.post(path, data=body, content_type="application/json", **sent)
+    return client.post(path, json=body, **sent)
 
 
 def assert_problem(response: t.Any, status: int, name: str) -> dict[str, t.Any]:

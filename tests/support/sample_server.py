@@ -9,7 +9,6 @@ it through HTTP, SQL and ``/proc`` only.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import http.client
 import json
 import os
@@ -18,7 +17,6 @@ import subprocess
 import sys
 import time
 import typing as t
-from email.message import Message
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -27,6 +25,7 @@ from flask_idem.core.key_digest import unkeyed
 from flask_idem.store import create_engine
 
 from .pgcluster import ROOT, free_port
+from .wire import Reply
 
 GUNICORN = str(Path(sys.executable).with_name("gunicorn"))
 ALPHA = "sk_test_alpha"
@@ -69,18 +68,6 @@ def served(url: str, workdir: Path, **kwargs: t.Any) -> t.Iterator[SampleServer]
 def spelled(url: str, driver: str) -> str:
     """``url`` with the driver spelling a deployment might use (``postgresql``, ...)."""
     return sa.make_url(url).set(drivername=driver).render_as_string(hide_password=False)
-
-
-@dataclasses.dataclass
-class Reply:
-    """One HTTP answer, read completely."""
-
-    status: int
-    headers: Message
-    body: bytes
-
-    def json(self) -> t.Any:
-        return json.loads(self.body)
 
 
 class SampleServer:
