@@ -80,23 +80,25 @@ class LeaseKeeper:
     def _run(self) -> None:
         while True:
             watch = self._next_due()
-            try:
-                record = watch.record
-                assert record.claim_token is not None
-                renewed = self.store.renew(
-                    record.scope,
-                    record.claim_token,
-                    lease=watch.lease,
-                    created_at=record.created_at,
-                )
-            except StoreUnavailable as exc:
-                log.warning("lease renewal failed; retrying", exc_info=redacted(exc))
-                renewed = True  # not lost: try again at the next tick
-            if not renewed:
-                # Taken over or finished: stop renewing. The owner's own completion is fenced
-                # by its token, so it learns of the loss there.
+            if not self.renew(watch):
                 continue
             with self._condition:
                 if watch.active:
                     watch.due = time.monotonic() + watch.lease / 3
                     heapq.heappush(self._heap, (watch.due, next(self._order), watch))
+
+    def renew(self, watch: Watch) -> bool:
+        """Renew one lease now; False when it was lost (taken over or finished: stop renewing).
+
+        A failing store is no loss: the next tick tries again. The owner's own completion is
+        fenced by its token, so it learns of a loss there.
+        """
+        record = watch.record
+        assert record.claim_token is not None
+        try:
+            return self.store.renew(
+                record.scope, record.claim_token, lease=watch.lease, created_at=record.created_at
+            )
+        except StoreUnavailable as exc:
+            log.warning("lease renewal failed; retrying", exc_info=redacted(exc))
+            return True
