@@ -3,6 +3,8 @@
 Invariants (each a name the reports and the regression tests use):
 
 ``one charge``             never two distinct downstream keys charged for one client operation
+                           (a record claimed after the one before it expired is a new operation:
+                           a key is kept for its TTL, as documented)
 ``answer without work``    no stored answer for work that did not commit: a stored answer names
                            a charge the provider made, and an answer a client got from its own
                            completion has its payment row committed
@@ -80,19 +82,26 @@ def after_step(world: World, before: tuple[tuple[Row, ...], t.Any], label: str) 
     s = world.situation
     records, paid = world.rows
     for row in records:
-        world.name_record(_col(world, row, "created_at"))
+        created = _col(world, row, "created_at")
+        world.name_record(created)
+        if created not in s.operations:
+            s.operations[created] = _operation_of_new(world)
         token = _col(world, row, "claim_token")
         if token is not None and token not in s.tokens:
             s.tokens = (*s.tokens, token)
         answer = _answer_of(world, row)
-        if answer is not None and s.first_answer is None:
-            s.first_answer = answer
+        if answer is not None:
+            s.first_answers.setdefault(s.operations[created], answer)
+    s.last_rows.update((_col(world, row, "created_at"), row) for row in records)
     broken: list[Broken] = []
-    charged = {world.name_record(s.key_record[key]) for key in s.charges}
-    if len(charged) > 1:
-        broken.append(
-            Broken("one charge", f"the provider charged the keys of {', '.join(sorted(charged))}")
-        )
+    charged: dict[int, set[str]] = {}
+    for key in s.charges:
+        created = s.key_record[key]
+        charged.setdefault(s.operations.get(created, 0), set()).add(world.name_record(created))
+    for names in charged.values():
+        if len(names) > 1:
+            keys = ", ".join(sorted(names))
+            broken.append(Broken("one charge", f"the provider charged the keys of {keys}"))
     broken += _answers_have_work(world, records, paid)
     purge = label.startswith("upkeep")
     after = {_col(world, row, "created_at"): row for row in records}
@@ -113,14 +122,24 @@ def after_step(world: World, before: tuple[tuple[Row, ...], t.Any], label: str) 
     for client in s.clients:
         if client.answer is None or client.answer[0] in DOCUMENTED:
             continue
-        if client.answer != s.first_answer:
+        first = s.first_answers.get(s.operations.get(client.source or "", -1))
+        if client.answer != first:
             broken.append(
-                Broken(
-                    "retry answer",
-                    f"{client.name} got {client.answer}, the first answer was {s.first_answer}",
-                )
+                Broken("retry answer", f"{client.name} got {client.answer}, the first was {first}")
             )
     return broken
+
+
+def _operation_of_new(world: World) -> int:
+    """The operation of a record seen for the first time: its predecessor's, unless that one
+    expired (a release or a forgetting leaves a row that was still alive when last seen)."""
+    s = world.situation
+    if not s.operations:
+        return 0
+    previous = max(s.operations)
+    row = s.last_rows.get(previous)
+    expired = row is not None and not alive(world, row)
+    return s.operations[previous] + (1 if expired else 0)
 
 
 def _answers_have_work(world: World, records: tuple[Row, ...], paid: t.Any) -> list[Broken]:
@@ -191,15 +210,21 @@ def fingerprint(world: World) -> t.Hashable:
             )
         found = None if c.found is None else (rid(c.found.created_at), tid(c.found.claim_token))
         key = None if c.key is None else rid(s.key_record[c.key])
-        clients.append((c.pc, held, found, key, charge_record.get(c.charge or ""), c.answer, c.ran))
+        source = None if c.source is None else rid(c.source)
+        clients.append(
+            (c.pc, held, found, key, charge_record.get(c.charge or ""), c.answer, c.ran, source)
+        )
     looked = tuple((rid(r.created_at), tid(r.claim_token), r.state.value) for r in s.looked)
+    operations = tuple(s.operations[created] for created in sorted(s.operations))
     return (
         rows,
         paid,
-        tuple(clients),
+        # The clients run one program: states that differ only in which is which are one.
+        tuple(sorted(clients, key=repr)),
+        operations,
         (s.reconciler, looked),
         frozenset(charge_record.values()),
         frozenset(rid(c) for c in s.contacts),
         tuple(sorted(s.used.items())),
-        s.first_answer,
+        tuple(sorted(s.first_answers.items())),
     )

@@ -104,6 +104,8 @@ class Client:
     answer: tuple[int, str] | None = None
     #: Its answer is its own completion's.
     ran: bool = False
+    #: The record (created_at) a 2xx answer came from.
+    source: str | None = None
 
     def clone(self) -> Client:
         twin = copy.copy(self)
@@ -138,8 +140,13 @@ class Situation:
     #: Every record and claim token ever seen, in order: their names in traces and fingerprints.
     records: tuple[str, ...] = ()
     tokens: tuple[str, ...] = ()
-    #: The first answer the store held for the operation (status, canonical body).
-    first_answer: tuple[int, str] | None = None
+    #: Each record's operation: a record claimed once the one before it expired (its TTL
+    #: passed) is a new operation of the same key, with new downstream keys by design.
+    operations: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Each record's row as last seen (to tell a release from an expiry).
+    last_rows: dict[str, tuple[t.Any, ...]] = dataclasses.field(default_factory=dict)
+    #: The first answer the store held for each operation (status, canonical body).
+    first_answers: dict[int, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
     def clone(self) -> Situation:
         twin = copy.copy(self)
@@ -147,6 +154,9 @@ class Situation:
         twin.used = dict(self.used)
         twin.charges = dict(self.charges)
         twin.key_record = dict(self.key_record)
+        twin.operations = dict(self.operations)
+        twin.last_rows = dict(self.last_rows)
+        twin.first_answers = dict(self.first_answers)
         return twin
 
 
@@ -319,6 +329,7 @@ class World:
         if found is Found.COMPLETED:
             assert record.response is not None
             body = self.canonical_body(record.response.body)
+            client.source = stamp(record.created_at)
             return self._answer(client, record.response.status, body, f"({seen}: replayed)")
         if found is Found.RERUN:
             client.pc, client.found = TAKE_OVER, record
@@ -382,6 +393,7 @@ class World:
             code = OUTCOMES[Failure.LEASE_LOST].http().code or 409
             return self._answer(client, code, "", "(lease lost: its writes rolled back)")
         client.ran = True
+        client.source = stamp(attempt.created_at)
         return self._answer(client, 201, self.canonical_body(body), "(completed)")
 
     def _raise(self, client: Client, *, commit: bool) -> str:
@@ -445,8 +457,15 @@ class World:
         return Verdict.happened(({"payment": charge}, 201))
 
     def _release(self) -> str:
-        record = self.harness.store.get(self.scope)
-        charged = record is not None and derive_key(record, "charge") in self.situation.charges
+        # The operator checked the provider (from the explorer's ledger, not through the store,
+        # whose next call may be the one that fails).
+        s = self.situation
+        stuck = {
+            self.harness.column(row, "created_at")
+            for row in self.rows[0]
+            if invariants.is_stuck(self, row)
+        }
+        charged = any(s.key_record[key] in stuck for key in s.charges)
         args = ["idem", "release", "--tenant", TENANT, "--endpoint", ENDPOINT, "--yes"]
         if not charged:
             args.append("--not-happened")
