@@ -15,9 +15,7 @@ from ..support.explore.world import Profile, World
 from .conftest import REPORTS
 
 #: The owner frozen past its lease while a reconciler (or an operator) says "not happened".
-FROZEN_OWNER = Profile(
-    "frozen owner", crashes=0, store_faults=0, failures=False, max_depth=12
-)
+FROZEN_OWNER = Profile("frozen owner", crashes=0, store_faults=0, failures=False, max_depth=12)
 #: A view that promised to declare contact, and commits its rows itself before failing.
 COMMIT_AS_YOU_GO = Profile(
     "commit as you go",

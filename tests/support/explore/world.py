@@ -36,7 +36,7 @@ from flask_idem.attempt import OUTCOMES, Attempt, Failure, Found, classify
 from flask_idem.core.errors import StoreUnavailable
 from flask_idem.core.idempotency_keys import derive_key
 from flask_idem.core.options import ViewOptions
-from flask_idem.core.record import Record, State, StoredResponse
+from flask_idem.core.record import Record, StoredResponse
 from flask_idem.ops.reconcile import Verdict, reconcile
 
 from . import invariants
