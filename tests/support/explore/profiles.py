@@ -3,6 +3,7 @@ one for nightly runs (``FLASK_IDEM_EXPLORE=deep``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from flask_idem.core.options import ViewOptions
@@ -42,26 +43,23 @@ DEFAULT: tuple[Profile, ...] = (
     ),
 )
 
-#: Every actor and fault together, a third client, deeper runs: for nightly runs.
+#: Every actor and fault together in each default scenario, deeper: for nightly runs (tens of
+#: minutes; a third client multiplies the states by about six every two levels).
 DEEP: tuple[Profile, ...] = tuple(
-    Profile(
-        f"{options_name} (deep)",
-        options=options,
-        clients=3,
+    dataclasses.replace(
+        p,
+        name=f"{p.name} (deep)",
         lease_jumps=2,
         ttl_jumps=1,
-        crashes=2,
+        crashes=1,
         store_faults=1,
-        commits_own=options.release_before_contact,
+        failures=True,
+        reconciler=True,
         operator=True,
         upkeep=True,
-        max_depth=16,
+        max_depth=p.max_depth + 2,
     )
-    for options_name, options in (
-        ("recovery=fail", ViewOptions()),
-        ("release_before_contact", ViewOptions(release_before_contact=True)),
-        ("recovery=reexecute", ViewOptions(recovery="reexecute")),
-    )
+    for p in DEFAULT
 )
 
 
