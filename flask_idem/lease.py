@@ -122,30 +122,27 @@ class LeaseKeeper:
             entry = self._next_due()
             if isinstance(entry, GiveBack):
                 self._give_back(entry)
-            else:
-                self._renew(entry)
+            elif self.renew(entry):
+                with self._condition:
+                    if entry.active:
+                        entry.due = time.monotonic() + entry.lease / 3
+                        heapq.heappush(self._heap, (entry.due, next(self._order), entry))
 
-    def _renew(self, watch: Watch) -> None:
+    def renew(self, watch: Watch) -> bool:
+        """Renew one lease now; False when it was lost (taken over or finished: stop renewing).
+
+        A failing store is no loss: the next tick tries again. The owner's own completion is
+        fenced by its token, so it learns of a loss there.
+        """
+        record = watch.record
+        assert record.claim_token is not None
         try:
-            record = watch.record
-            assert record.claim_token is not None
-            renewed = self.store.renew(
-                record.scope,
-                record.claim_token,
-                lease=watch.lease,
-                created_at=record.created_at,
+            return self.store.renew(
+                record.scope, record.claim_token, lease=watch.lease, created_at=record.created_at
             )
         except StoreUnavailable as exc:
             log.warning("lease renewal failed; retrying", exc_info=redacted(exc))
-            renewed = True  # not lost: try again at the next tick
-        if not renewed:
-            # Taken over or finished: stop renewing. The owner's own completion is fenced
-            # by its token, so it learns of the loss there.
-            return
-        with self._condition:
-            if watch.active:
-                watch.due = time.monotonic() + watch.lease / 3
-                heapq.heappush(self._heap, (watch.due, next(self._order), watch))
+            return True
 
     def _give_back(self, entry: GiveBack) -> None:
         try:

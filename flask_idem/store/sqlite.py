@@ -9,6 +9,7 @@ with another claim's, in this process or another one. Expired rows are purged by
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import typing as t
 
 import sqlalchemy as sa
@@ -22,9 +23,17 @@ from .table import idempotency_keys as table
 
 # The database clock, in the text layout SQLAlchemy uses for DateTime on SQLite (so that string
 # comparison is time comparison): microseconds padded from SQLite's milliseconds.
-_CLOCK = "strftime('%Y-%m-%d %H:%M:%f', 'now'{modifier}) || '000'"
+_CLOCK = "strftime('%Y-%m-%d %H:%M:%f', {now}{modifier}) || '000'"
+#: What the clock reads: SQLite's own, unless a test gave the store one (``use_clock``).
+_SQLITE_NOW = "'now'"
+#: The SQL function each connection gets for a clock given with ``use_clock``.
+_CLOCK_FUNCTION = "flask_idem_clock"
 #: The SQL function each connection gets for :func:`flask_idem.core.idempotency_keys.key_hash`.
 _SCOPE_HASH = "flask_idem_key_hash"
+
+
+#: The statements :class:`~flask_idem.store.sql.SQLStore` compiles once (with the clock).
+_COMPILED = ("_complete_statement", "_release_statement", "_unknown_statement")
 
 
 def configure_engine(engine: sa.Engine) -> None:
@@ -68,19 +77,42 @@ class SQLiteStore(SQLStore):
     def __init__(self, engine: sa.Engine) -> None:
         super().__init__(engine)
         configure_engine(engine)
+        self._now = _SQLITE_NOW
+
+    def use_clock(self, clock: t.Callable[[], dt.datetime]) -> None:
+        """Read the time from ``clock`` (timezone-aware, UTC) instead of SQLite's, so that a test
+        moves every record through time at once and replays the same run exactly (the
+        interleaving explorer, ``tests/explore``). Called before the store's first statement:
+        the statements the store compiles once carry the clock they were built with.
+
+        :raises RuntimeError: the store already built a statement on SQLite's clock.
+        """
+        if any(name in self.__dict__ for name in _COMPILED):
+            raise RuntimeError("use_clock() comes before the store's first statement")
+
+        def read() -> str:
+            return clock().astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+        def register(dbapi_connection: t.Any, _record: t.Any) -> None:
+            dbapi_connection.create_function(_CLOCK_FUNCTION, 0, read)
+
+        sa.event.listen(self.engine, "connect", register)
+        self.engine.dispose()  # pooled connections lack the function
+        self._now = f"{_CLOCK_FUNCTION}()"
 
     def now(self) -> sa.ColumnElement[t.Any]:
-        return sa.literal_column(_CLOCK.format(modifier=""), sa.String)
+        return sa.literal_column(_CLOCK.format(now=self._now, modifier=""), sa.String)
 
     def now_plus(self, seconds: float) -> sa.ColumnElement[t.Any]:
-        return sa.literal_column(_CLOCK.format(modifier=f", '{float(seconds):+f} seconds'"))
+        modifier = f", '{float(seconds):+f} seconds'"
+        return sa.literal_column(_CLOCK.format(now=self._now, modifier=modifier))
 
     def ttl_after_end(self) -> sa.ColumnElement[bool]:
         julianday = sa.func.julianday
         ended = sa.func.coalesce(table.c.completed_at, table.c.lease_expires_at, table.c.created_at)
         return julianday(ended) + julianday(table.c.expires_at) - julianday(
             table.c.created_at
-        ) > julianday("now")
+        ) > julianday(sa.literal_column(self._now))
 
     def scope_hash(self) -> sa.ColumnElement[str]:
         return sa.Function(

@@ -1,0 +1,73 @@
+"""Defects fixed in the past, re-created as small mutations of today's code.
+
+Each mutation puts one function back to what it did before its fix (read from the fixing
+commit), so that a test can show the explorer finds the defect, with its shortest trace.
+Applied with pytest's ``monkeypatch``; the unmutated code must pass the same exploration.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+import pytest
+import sqlalchemy as sa
+
+from flask_idem.attempt import Attempt
+from flask_idem.core.record import Record, Scope
+from flask_idem.store.sql import SQLStore
+from flask_idem.store.table import idempotency_keys as table
+
+
+def reopen_deletes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before fb247f7 a "not happened" verdict (the reconciler's, ``flask idem release
+    --not-happened``) forgot the stuck record, fenced by its token, instead of reopening it:
+    the next retry claimed a new record, so new downstream keys, while the owner was perhaps
+    only frozen past its lease."""
+
+    def reopen(self: SQLStore, scope: Scope, *, token: str | None) -> bool:
+        settle = sa.and_(
+            self._live(scope), self._stuck(), table.c.claim_token == sa.bindparam("p_token")
+        )
+        deleted = self._write(
+            table.delete().where(settle), {"p_token": token}, scope=scope, event="released"
+        )
+        return deleted.rowcount == 1
+
+    monkeypatch.setattr(SQLStore, "reopen", reopen)
+
+
+def release_after_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before b14e6da a failure gave the key back whatever the view had committed itself: a
+    ``release_before_contact`` view that committed its rows and then failed was released, and
+    every retry committed another row."""
+
+    def releasable(self: Attempt) -> bool:
+        if self.atomic:
+            return True
+        if self.contacted or self.options is None:
+            return False
+        return self.refused or self.options.release_before_contact
+
+    monkeypatch.setattr(Attempt, "releasable", property(releasable))
+
+
+def rerun_not_contacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before 8cc5518 a re-run of a stuck record (a takeover) counted as not contacted yet: its
+    failure before contact released the record an earlier attempt had charged under, and the
+    next retry charged again under new downstream keys."""
+    take_over = Attempt.take_over
+
+    def forgetful(self: Attempt, record: Record, lease: float) -> bool:
+        taken = take_over(self, record, lease)
+        if taken:
+            self.contacted = False
+        return taken
+
+    monkeypatch.setattr(Attempt, "take_over", forgetful)
+
+
+MUTATIONS: dict[str, t.Callable[[pytest.MonkeyPatch], None]] = {
+    "reopen_deletes": reopen_deletes,
+    "release_after_commit": release_after_commit,
+    "rerun_not_contacted": rerun_not_contacted,
+}
