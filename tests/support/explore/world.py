@@ -7,8 +7,9 @@ client A, B, ...  the owner and the retrying clients, all sending the same reque
                   (``Attempt.claim``, then ``classify`` and the outcome table), take a found
                   record over (``Attempt.take_over``), declare contact and get the downstream
                   key (``idem.downstream_key``), call the provider, commit the payment row with
-                  the stored answer (``Attempt.complete``), or fail (``Attempt.give_up``); a
-                  view that commits its own rows before failing (``commits_own``)
+                  the stored answer (``Attempt.end_run``, ``record_result``), or fail
+                  (``end_run``); a view that commits its own rows before failing
+                  (``commits_own``)
 keeper of X       renews X's lease (``LeaseKeeper.renew``) while X holds the key
 reconciler        reads the stuck records (``store.stuck()``), then settles them with
                   ``flask_idem.ops.reconcile.reconcile``: its verdict is the truth at that
@@ -32,7 +33,7 @@ import datetime as dt
 import json
 import typing as t
 
-from flask_idem.attempt import OUTCOMES, Attempt, Failure, Found, classify
+from flask_idem.attempt import OUTCOMES, Attempt, Ending, Failure, Found, classify
 from flask_idem.core.errors import StoreUnavailable
 from flask_idem.core.idempotency_keys import derive_key
 from flask_idem.core.options import ViewOptions
@@ -373,7 +374,6 @@ class World:
         body = json.dumps({"payment": client.charge}).encode()
         snapshot = StoredResponse(201, (("Content-Type", "application/json"),), body)
         with self._context(client) as attempt:
-            attempt.mark_answered()
             try:
                 connection = attempt.begin()
                 connection.execute(
@@ -381,17 +381,19 @@ class World:
                         charge=client.charge, record_created_at=stamp(attempt.created_at)
                     )
                 )
-                stored = attempt.complete(snapshot)
-            except StoreUnavailable as exc:
-                failure = attempt.record_failed(exc, ran="view")
-                assert failure is not None
-                code = OUTCOMES[failure].http().code or 503
-                return self._answer(client, code, "", f"({failure.value})")
+                attempt.mark_answered()
+                # What the view adapter does with a 201: the attempt decides, then records.
+                ending = attempt.end_run("view", status=201)
+                assert ending is Ending.RECORD, ending
+                recording = attempt.record_result(snapshot, ran="view", status=201)
             finally:
                 attempt.close()
-        if not stored:
+        if recording.failure is Failure.LEASE_LOST:
             code = OUTCOMES[Failure.LEASE_LOST].http().code or 409
             return self._answer(client, code, "", "(lease lost: its writes rolled back)")
+        if recording.failure is not None:
+            code = OUTCOMES[recording.failure].http().code or 503
+            return self._answer(client, code, "", f"({recording.failure.value})")
         client.ran = True
         client.source = stamp(attempt.created_at)
         return self._answer(client, 201, self.canonical_body(body), "(completed)")
@@ -407,7 +409,8 @@ class World:
                 )
                 connection.commit()
             attempt.mark_crashed()
-            attempt.give_up("the view raised")
+            ending = attempt.end_run("view", status=500)
+            assert ending is not Ending.RECORD, ending
             attempt.close()
         return self._answer(client, 500, "", "(the view raised; key given up)")
 
