@@ -36,6 +36,16 @@ RERUN = Profile(
     store_faults=0,
     max_depth=10,
 )
+#: A record abandoned past its lease, re-run by a retry (recovery="reexecute").
+REEXECUTE = Profile(
+    "re-run of an abandoned record",
+    options=ViewOptions(recovery="reexecute"),
+    crashes=0,
+    store_faults=0,
+    failures=False,
+    reconciler=False,
+    max_depth=8,
+)
 
 DOUBLE_CHARGE = """\
  1. A claims: claimed record #1
@@ -73,6 +83,18 @@ RERUN_RELEASED = """\
     => released after effect: record #1 deleted after contact declared"""
 
 
+KEY_PER_ATTEMPT = """\
+ 1. A claims: claimed record #1
+ 2. A gets the downstream key: key of record #1 (contact declared)
+ 3. A calls the provider: provider charges the key of record #1
+ 4. clock +11 s (leases run out): time passes
+ 5. B claims: found record #1 in_progress: may run it again
+ 6. B takes the record over: took record #1 over
+ 7. B gets the downstream key: key of record #1 (contact declared)
+ 8. B calls the provider: provider charges the key of record #1
+    => one charge: the provider charged the keys of record #1, record #1"""
+
+
 def _explore(harness: Harness, profile: Profile, wanted: set[str]) -> Report:
     report = explore(
         World(harness, profile),
@@ -107,6 +129,12 @@ def _explore(harness: Harness, profile: Profile, wanted: set[str]) -> Report:
             {"released after effect": RERUN_RELEASED},
             id="a re-run releases the record an earlier attempt contacted under",
         ),
+        pytest.param(
+            "key_per_attempt",
+            REEXECUTE,
+            {"one charge": KEY_PER_ATTEMPT},
+            id="a re-run of the same record derives another downstream key",
+        ),
     ],
 )
 def test_the_explorer_finds_the_defect_with_its_shortest_trace(
@@ -123,7 +151,9 @@ def test_the_explorer_finds_the_defect_with_its_shortest_trace(
     assert found == expected
 
 
-@pytest.mark.parametrize("profile", [FROZEN_OWNER, COMMIT_AS_YOU_GO, RERUN], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "profile", [FROZEN_OWNER, COMMIT_AS_YOU_GO, RERUN, REEXECUTE], ids=lambda p: p.name
+)
 def test_the_same_exploration_of_todays_code_finds_nothing(
     harness: Harness, profile: Profile
 ) -> None:

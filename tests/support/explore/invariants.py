@@ -94,14 +94,15 @@ def after_step(world: World, before: tuple[tuple[Row, ...], t.Any], label: str) 
             s.first_answers.setdefault(s.operations[created], answer)
     s.last_rows.update((_col(world, row, "created_at"), row) for row in records)
     broken: list[Broken] = []
+    # Counted by downstream key, not by record: two attempts of one record that derive
+    # different keys (a key that depends on the attempt) charge twice just the same.
     charged: dict[int, set[str]] = {}
     for key in s.charges:
-        created = s.key_record[key]
-        charged.setdefault(s.operations.get(created, 0), set()).add(world.name_record(created))
-    for names in charged.values():
-        if len(names) > 1:
-            keys = ", ".join(sorted(names))
-            broken.append(Broken("one charge", f"the provider charged the keys of {keys}"))
+        charged.setdefault(s.operations.get(s.key_record[key], 0), set()).add(key)
+    for keys in charged.values():
+        if len(keys) > 1:
+            names = ", ".join(sorted(world.name_record(s.key_record[key]) for key in keys))
+            broken.append(Broken("one charge", f"the provider charged the keys of {names}"))
     broken += _answers_have_work(world, records, paid)
     purge = label.startswith("upkeep")
     after = {_col(world, row, "created_at"): row for row in records}

@@ -13,9 +13,11 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem.attempt import Attempt
+from flask_idem.core.idempotency_keys import derive_key
 from flask_idem.core.record import Record, Scope
 from flask_idem.store.sql import SQLStore
 from flask_idem.store.table import idempotency_keys as table
+from flask_idem.web import extension
 
 
 def reopen_deletes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,8 +68,20 @@ def rerun_not_contacted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Attempt, "take_over", forgetful)
 
 
+def key_per_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a past defect: a downstream key that depends on the attempt (its claim token) and not
+    on the operation alone. A re-run of the same record then charges under another key; the
+    "one charge" invariant counts keys, not records, to see it."""
+
+    def per_attempt(record: Record, step: str) -> str:
+        return derive_key(record, f"{step}/{record.claim_token}")
+
+    monkeypatch.setattr(extension, "derive_key", per_attempt)
+
+
 MUTATIONS: dict[str, t.Callable[[pytest.MonkeyPatch], None]] = {
     "reopen_deletes": reopen_deletes,
     "release_after_commit": release_after_commit,
     "rerun_not_contacted": rerun_not_contacted,
+    "key_per_attempt": key_per_attempt,
 }
