@@ -94,6 +94,12 @@ KEY_PER_ATTEMPT = """\
  8. B calls the provider: provider charges the key of record #1
     => one charge: the provider charged the keys of record #1, record #1"""
 
+LIVE_LEASE_TAKEN = """\
+ 1. A claims: claimed record #1
+ 2. B claims: found record #1 in_progress: may run it again
+ 3. B takes the record over: took record #1 over
+    => live lease taken: record #1 taken over while its lease ran"""
+
 
 def _explore(harness: Harness, profile: Profile, wanted: set[str]) -> Report:
     report = explore(
@@ -134,6 +140,12 @@ def _explore(harness: Harness, profile: Profile, wanted: set[str]) -> Report:
             REEXECUTE,
             {"one charge": KEY_PER_ATTEMPT},
             id="a re-run of the same record derives another downstream key",
+        ),
+        pytest.param(
+            "live_lease_taken",
+            REEXECUTE,
+            {"live lease taken": LIVE_LEASE_TAKEN},
+            id="a running owner is taken over as if abandoned",
         ),
     ],
 )

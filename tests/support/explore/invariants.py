@@ -12,6 +12,9 @@ Invariants (each a name the reports and the regression tests use):
                            under it or after contact was declared for it (the upkeep's purge of
                            an expired record aside)
 ``completed overwritten``  a completed record keeps its answer until the upkeep purges it
+``live lease taken``       a record in progress under a lease that has not run out keeps its
+                           owner: no other attempt takes it over (the concurrent duplicate's
+                           409, never a second holder)
 ``retry answer``           every answer is the operation's first stored answer, a 409, or a
                            documented unknown (500: the view raised; 503: the store failed)
 ``no answer``              a run that is over left no client without an answer (crashed ones
@@ -114,6 +117,14 @@ def after_step(world: World, before: tuple[tuple[Row, ...], t.Any], label: str) 
         if now is None and not purge and (created in s.contacts or created in committed):
             what = "its payment row committed" if created in committed else "contact declared"
             broken.append(Broken("released after effect", f"{name} deleted after {what}"))
+        if (
+            now is not None
+            and _col(world, row, "state") == State.IN_PROGRESS.value
+            and not lease_expired(world, row)
+            and _col(world, now, "state") == State.IN_PROGRESS.value
+            and _col(world, now, "claim_token") != _col(world, row, "claim_token")
+        ):
+            broken.append(Broken("live lease taken", f"{name} taken over while its lease ran"))
         answer = _answer_of(world, row)
         if answer is not None and not (now is None and purge):
             if now is None or _answer_of(world, now) != answer:

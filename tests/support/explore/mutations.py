@@ -14,8 +14,15 @@ import sqlalchemy as sa
 
 from flask_idem.attempt import Attempt
 from flask_idem.core.idempotency_keys import derive_key
-from flask_idem.core.record import Record, Scope
-from flask_idem.store.sql import SQLStore
+from flask_idem.core.record import ClaimResult, Record, Scope, State
+from flask_idem.store.sql import (
+    RECORD_COLUMNS,
+    SQLStore,
+    _aware,
+    lease_start,
+    new_token,
+    record_from_row,
+)
 from flask_idem.store.table import idempotency_keys as table
 from flask_idem.web import extension
 
@@ -79,9 +86,54 @@ def key_per_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(extension, "derive_key", per_attempt)
 
 
+def live_lease_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a past defect: a running owner treated as abandoned, by the claim's reading of the
+    record and by the store's takeover alike (the lease not compared with the clock). A retry
+    then takes over a request that is still running: two holders of one key."""
+    monkeypatch.setattr(
+        Record,
+        "lease_expired",
+        property(lambda record: record.state is State.IN_PROGRESS),
+    )
+
+    def eager(self: SQLStore, scope: Scope, token: str, *, lease: float) -> ClaimResult | None:
+        # SQLStore.take_over with its condition on the lease left out.
+        takeable = [State.UNKNOWN.value, State.REOPENED.value, State.IN_PROGRESS.value]
+        statement = (
+            table.update()
+            .where(
+                table.c.tenant == sa.bindparam("p_tenant"),
+                table.c.endpoint == sa.bindparam("p_endpoint"),
+                table.c.key == sa.bindparam("p_key"),
+                table.c.claim_token == sa.bindparam("p_token"),
+                table.c.state.in_(takeable),
+                self._alive(),
+            )
+            .values(
+                state=State.IN_PROGRESS.value,
+                claim_token=new_token(),
+                lease_expires_at=self.now_plus(lease),
+            )
+        )
+        row = self._write(
+            statement,
+            self._owner(scope, token, None),
+            scope=scope,
+            event="taken_over",
+            returning=RECORD_COLUMNS,
+        ).first
+        if row is None:
+            return None
+        now = lease_start(_aware(row.lease_expires_at), lease)
+        return ClaimResult(record_from_row(scope, row, self.sealer, now), claimed=True)
+
+    monkeypatch.setattr(SQLStore, "take_over", eager)
+
+
 MUTATIONS: dict[str, t.Callable[[pytest.MonkeyPatch], None]] = {
     "reopen_deletes": reopen_deletes,
     "release_after_commit": release_after_commit,
     "rerun_not_contacted": rerun_not_contacted,
     "key_per_attempt": key_per_attempt,
+    "live_lease_taken": live_lease_taken,
 }
