@@ -47,6 +47,17 @@ REEXECUTE = Profile(
     max_depth=8,
 )
 
+#: Two clients under one key, the second with another request (another amount).
+OTHER_REQUEST = Profile(
+    "another request",
+    other_body=True,
+    crashes=0,
+    store_faults=0,
+    failures=False,
+    reconciler=False,
+    max_depth=8,
+)
+
 DOUBLE_CHARGE = """\
  1. A claims: claimed record #1
  2. clock +11 s (leases run out): time passes
@@ -100,6 +111,14 @@ LIVE_LEASE_TAKEN = """\
  3. B takes the record over: took record #1 over
     => live lease taken: record #1 taken over while its lease ran"""
 
+OTHER_REQUEST_REPLAYED = """\
+ 1. A claims: claimed record #1
+ 2. A gets the downstream key: key of record #1 (contact declared)
+ 3. A calls the provider: provider charges the key of record #1
+ 4. A commits and completes: answered 201 (completed)
+ 5. B claims: answered 201 (found record #1 completed: replayed)
+    => other request: B (other request) got 201 from record #1 (first request)"""
+
 
 def _explore(harness: Harness, profile: Profile, wanted: set[str]) -> Report:
     report = explore(
@@ -147,6 +166,12 @@ def _explore(harness: Harness, profile: Profile, wanted: set[str]) -> Report:
             {"live lease taken": LIVE_LEASE_TAKEN},
             id="a running owner is taken over as if abandoned",
         ),
+        pytest.param(
+            "fingerprint_skipped",
+            OTHER_REQUEST,
+            {"other request": OTHER_REQUEST_REPLAYED},
+            id="another request under the key gets the first one's answer",
+        ),
     ],
 )
 def test_the_explorer_finds_the_defect_with_its_shortest_trace(
@@ -164,7 +189,9 @@ def test_the_explorer_finds_the_defect_with_its_shortest_trace(
 
 
 @pytest.mark.parametrize(
-    "profile", [FROZEN_OWNER, COMMIT_AS_YOU_GO, RERUN, REEXECUTE], ids=lambda p: p.name
+    "profile",
+    [FROZEN_OWNER, COMMIT_AS_YOU_GO, RERUN, REEXECUTE, OTHER_REQUEST],
+    ids=lambda p: p.name,
 )
 def test_the_same_exploration_of_todays_code_finds_nothing(
     harness: Harness, profile: Profile

@@ -34,6 +34,8 @@ ENDPOINT = "POST /payments"
 KEY = "order-1"
 #: The request every client sends (one client operation): one fingerprint.
 FINGERPRINT = hashlib.sha256(b"POST /payments amount=100").digest()
+#: Another request under the same key (another amount): a client bug, answered 422.
+OTHER_FINGERPRINT = hashlib.sha256(b"POST /payments amount=999").digest()
 
 _metadata = sa.MetaData()
 #: The application's own rows: what a payment view commits with its stored answer.

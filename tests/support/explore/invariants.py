@@ -19,6 +19,9 @@ Invariants (each a name the reports and the regression tests use):
                            documented unknown (500: the view raised; 503: the store failed)
 ``no answer``              a run that is over left no client without an answer (crashed ones
                            aside)
+``other request``          a client that sent another request under the key gets 422 (or a
+                           409/500/503), never the stored answer or the run of the first
+                           request; a client of the first request never gets 422
 """
 
 from __future__ import annotations
@@ -134,6 +137,18 @@ def after_step(world: World, before: tuple[tuple[Row, ...], t.Any], label: str) 
     for client in s.clients:
         if client.answer is None or client.answer[0] in DOCUMENTED:
             continue
+        theirs = s.record_body.get(client.source or "")
+        if client.answer[0] == 422 or theirs not in (None, client.body):
+            if client.answer[0] != 422 or theirs in (None, client.body):
+                broken.append(
+                    Broken(
+                        "other request",
+                        f"{client.name} ({client.body} request) got {client.answer[0]} from "
+                        f"{world.name_record(client.source) if client.source else 'nothing'} "
+                        f"({theirs} request)",
+                    )
+                )
+            continue
         first = s.first_answers.get(s.operations.get(client.source or "", -1))
         if client.answer != first:
             broken.append(
@@ -224,16 +239,28 @@ def fingerprint(world: World) -> t.Hashable:
         key = None if c.key is None else rid(s.key_record[c.key])
         source = None if c.source is None else rid(c.source)
         clients.append(
-            (c.pc, held, found, key, charge_record.get(c.charge or ""), c.answer, c.ran, source)
+            (
+                c.pc,
+                held,
+                found,
+                key,
+                charge_record.get(c.charge or ""),
+                c.answer,
+                c.ran,
+                source,
+                c.body,
+            )
         )
     looked = tuple((rid(r.created_at), tid(r.claim_token), r.state.value) for r in s.looked)
     operations = tuple(s.operations[created] for created in sorted(s.operations))
+    bodies = tuple(sorted((rid(created), body) for created, body in s.record_body.items()))
     return (
         rows,
         paid,
         # The clients run one program: states that differ only in which is which are one.
         tuple(sorted(clients, key=repr)),
         operations,
+        bodies,
         (s.reconciler, looked),
         frozenset(charge_record.values()),
         frozenset(rid(c) for c in s.contacts),

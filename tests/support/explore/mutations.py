@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from flask_idem.attempt import Attempt
 from flask_idem.core.idempotency_keys import derive_key
+from flask_idem.core.key_digest import KeyDigest
 from flask_idem.core.record import ClaimResult, Record, Scope, State
 from flask_idem.store.sql import (
     RECORD_COLUMNS,
@@ -130,10 +131,18 @@ def live_lease_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SQLStore, "take_over", eager)
 
 
+def fingerprint_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a past defect: the claim's comparison of the request with the stored fingerprint
+    left out. Another request under the same key then gets the first one's answer (its own
+    amount never charged: a lost write) instead of 422."""
+    monkeypatch.setattr(KeyDigest, "same_request", lambda self, record, digest: True)
+
+
 MUTATIONS: dict[str, t.Callable[[pytest.MonkeyPatch], None]] = {
     "reopen_deletes": reopen_deletes,
     "release_after_commit": release_after_commit,
     "rerun_not_contacted": rerun_not_contacted,
     "key_per_attempt": key_per_attempt,
     "live_lease_taken": live_lease_taken,
+    "fingerprint_skipped": fingerprint_skipped,
 }

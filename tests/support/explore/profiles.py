@@ -35,6 +35,14 @@ DEFAULT: tuple[Profile, ...] = (
         max_depth=10,
     ),
     Profile(
+        "another request under the key",
+        options=ViewOptions(recovery="reexecute"),
+        other_body=True,
+        lease_jumps=2,
+        operator=True,
+        max_depth=10,
+    ),
+    Profile(
         "recovery=reexecute",
         options=ViewOptions(recovery="reexecute"),
         lease_jumps=2,

@@ -47,6 +47,7 @@ from .harness import (
     FINGERPRINT,
     KEY,
     LEASE,
+    OTHER_FINGERPRINT,
     TENANT,
     TTL,
     Harness,
@@ -87,6 +88,8 @@ class Profile:
     reconciler: bool = True
     operator: bool = False
     upkeep: bool = False
+    #: The last client sends another request under the same key (another body).
+    other_body: bool = False
     max_depth: int = 12
 
 
@@ -105,8 +108,14 @@ class Client:
     answer: tuple[int, str] | None = None
     #: Its answer is its own completion's.
     ran: bool = False
-    #: The record (created_at) a 2xx answer came from.
+    #: The record (created_at) its answer came from (a replay, its completion, a 422).
     source: str | None = None
+    #: Which request it sends: ``first``, or ``other`` (another body under the same key).
+    body: str = "first"
+
+    @property
+    def fingerprint(self) -> bytes:
+        return OTHER_FINGERPRINT if self.body == "other" else FINGERPRINT
 
     def clone(self) -> Client:
         twin = copy.copy(self)
@@ -148,6 +157,9 @@ class Situation:
     last_rows: dict[str, tuple[t.Any, ...]] = dataclasses.field(default_factory=dict)
     #: The first answer the store held for each operation (status, canonical body).
     first_answers: dict[int, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    #: Each record's request (created_at -> the claiming client's body), as the world knows it,
+    #: never read back from the store's fingerprint.
+    record_body: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def clone(self) -> Situation:
         twin = copy.copy(self)
@@ -158,6 +170,7 @@ class Situation:
         twin.operations = dict(self.operations)
         twin.last_rows = dict(self.last_rows)
         twin.first_answers = dict(self.first_answers)
+        twin.record_body = dict(self.record_body)
         return twin
 
 
@@ -169,7 +182,10 @@ class World:
         self.profile = profile
         self.scope = harness.store.keys.scope(TENANT, ENDPOINT, KEY)
         names = "ABCDEFGH"[: profile.clients]
-        self.situation = Situation(harness.now, [Client(name) for name in names])
+        clients = [Client(name) for name in names]
+        if profile.other_body:
+            clients[-1].body = "other"
+        self.situation = Situation(harness.now, clients)
         harness.write(((), ()))
         self.rows: Rows = ((), ())
         harness.idem.reconciler(ENDPOINT)(self._verdict)
@@ -319,18 +335,19 @@ class World:
         client.attempt = Attempt(self.harness.state, self.scope, options, endpoint=ENDPOINT)
         with self._context(client) as attempt:
             try:
-                record = attempt.claim(FINGERPRINT, ttl=attempt.ttl, lease=LEASE)
+                record = attempt.claim(client.fingerprint, ttl=attempt.ttl, lease=LEASE)
             except StoreUnavailable:
                 return self._answer(client, 503, "", "(store unavailable)")
         if record is None:
             client.pc = HOLDING
+            self.situation.record_body[stamp(attempt.created_at)] = client.body
             return f"claimed {self.name_record(attempt.created_at)}"
-        found = classify(record, FINGERPRINT, options.recovery, self.harness.store.keys)
+        found = classify(record, client.fingerprint, options.recovery, self.harness.store.keys)
         seen = f"found {self.name_record(record.created_at)} {record.state.value}"
+        client.source = stamp(record.created_at)
         if found is Found.COMPLETED:
             assert record.response is not None
             body = self.canonical_body(record.response.body)
-            client.source = stamp(record.created_at)
             return self._answer(client, record.response.status, body, f"({seen}: replayed)")
         if found is Found.RERUN:
             client.pc, client.found = TAKE_OVER, record
