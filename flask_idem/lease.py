@@ -10,7 +10,9 @@ silent past the deadline (frozen, a hung host) can wake up and run the claim it 
 after the client got its 503 "not executed". That record would hold the key in progress for
 its lease, and then, for a view with ``recovery="fail"``, answer ``outcome-pending`` although
 nothing ran. Its token is known, so it is released, fenced by that token, once the store
-answers again.
+answers again. A long outage at a high request rate would queue one give-back per 503 for a
+whole TTL, so a process holds at most :data:`GIVE_BACK_MAX_PENDING`; a claim past that is left
+to its lease, as it would be without give-backs.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class GiveBack:
 
 #: The longest wait between two attempts to give a claim back while the store is silent.
 GIVE_BACK_MAX_DELAY = 30.0
+#: The most give-backs one process keeps pending (an entry is a few hundred bytes).
+GIVE_BACK_MAX_PENDING = 10_000
 
 
 class LeaseKeeper:
@@ -73,6 +77,8 @@ class LeaseKeeper:
         self._heap: list[tuple[float, int, Watch | GiveBack]] = []
         self._order = itertools.count()
         self._pid: int | None = None
+        self._giving_back = 0
+        self.max_give_backs = GIVE_BACK_MAX_PENDING
 
     def watch(self, record: Record, lease: float) -> Watch:
         """Keep renewing the lease of ``record`` (owned by the caller) until :meth:`unwatch`."""
@@ -88,9 +94,24 @@ class LeaseKeeper:
     def give_back(self, scope: Scope, token: str, *, ttl: float, lease: float) -> None:
         """Release the claim ``token`` of ``scope`` once the store answers, if the claim
         landed (the release is fenced by the token: a no-op otherwise). Only for a claim
-        whose request runs nothing: its 503 said it was not executed."""
+        whose request runs nothing: its 503 said it was not executed. Past
+        :attr:`max_give_backs` pending, the claim is left to its lease (logged)."""
+        with self._condition:
+            self._ensure_thread()  # first: a forked worker starts counting from none
+            if self._giving_back >= self.max_give_backs:
+                log.warning(
+                    "too many claims to give back; this one is left to its lease",
+                    extra={"key_hash": key_hash(scope)},
+                )
+                return
+            self._giving_back += 1
         now = time.monotonic()
         self._schedule(GiveBack(scope, token, lease, until=now + ttl, due=now + 1.0))
+
+    @property
+    def giving_back(self) -> int:
+        """How many claims this process is waiting to give back."""
+        return self._giving_back
 
     def _schedule(self, entry: Watch | GiveBack) -> None:
         with self._condition:
@@ -105,6 +126,7 @@ class LeaseKeeper:
             return
         self._pid = os.getpid()
         self._heap.clear()
+        self._giving_back = 0
         threading.Thread(target=self._run, name="flask-idem-lease", daemon=True).start()
 
     def _next_due(self) -> Watch | GiveBack:
@@ -155,6 +177,7 @@ class LeaseKeeper:
                 "gave back a claim that landed after its request answered 503",
                 extra={"key_hash": key_hash(entry.scope)},
             )
+            self._done_giving_back()
             return
         if entry.found_nothing_until is None:
             entry.found_nothing_until = min(entry.until, time.monotonic() + entry.lease)
@@ -167,3 +190,9 @@ class LeaseKeeper:
             entry.due = due
             entry.delay = min(entry.delay * 2, GIVE_BACK_MAX_DELAY)
             self._schedule(entry)
+        else:
+            self._done_giving_back()
+
+    def _done_giving_back(self) -> None:
+        with self._condition:
+            self._giving_back -= 1
