@@ -212,6 +212,25 @@ def build_record(
     )
 
 
+def _endpoints_of(tenant: str) -> sa.CTE:
+    """The endpoints ``tenant`` has records on (and a last NULL), read off the primary key
+    (tenant, endpoint, key, created_at) one index probe each: a loose index scan, which
+    PostgreSQL 15 does not plan by itself. A lookup by key without an endpoint then probes the
+    primary key with (tenant, endpoint, key) once per endpoint, and no second index on
+    (tenant, key) is written with every new key (migration 0012)."""
+    first = sa.select(sa.func.min(table.c.endpoint).label("endpoint")).where(
+        table.c.tenant == tenant
+    )
+    endpoints = first.cte("endpoints", recursive=True)
+    later = table.alias("later")
+    following = (
+        sa.select(sa.func.min(later.c.endpoint))
+        .where(later.c.tenant == tenant, later.c.endpoint > endpoints.c.endpoint)
+        .scalar_subquery()
+    )
+    return endpoints.union_all(sa.select(following).where(endpoints.c.endpoint.is_not(None)))
+
+
 class SQLStore(Store):
     """Primitives shared by PostgreSQL and SQLite, written once in SQLAlchemy Core."""
 
@@ -574,6 +593,9 @@ class SQLStore(Store):
         )
         if endpoint is not None:
             statement = statement.where(table.c.endpoint == endpoint)
+        else:
+            endpoints = _endpoints_of(tenant)
+            statement = statement.where(table.c.endpoint.in_(sa.select(endpoints.c.endpoint)))
         return [record_from_row(None, row, self.sealer) for row in self._execute(statement).rows]
 
     def stuck(self, *, limit: int = 1000, tenants: t.Collection[str] | None = None) -> list[Record]:

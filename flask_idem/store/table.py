@@ -106,8 +106,6 @@ idempotency_keys = sa.Table(
         "state IN ('in_progress', 'completed', 'unknown', 'unstored', 'reopened')", name="state"
     ),
     sa.Index(None, "expires_at"),
-    # The inspection lookup by (tenant, key) without an endpoint (migration 0003).
-    sa.Index(None, "tenant", "key"),
     postgresql_partition_by="RANGE (created_at)",
 )
 

@@ -273,6 +273,12 @@ def test_operator_reads_across_tenants(distributed: Distributed, store: SQLStore
     shown = _cli(distributed.url, "show", hashed, "--tenant", "beta")
     assert shown.exit_code == 0, shown.output
     assert "unknown" in shown.output
+    # By key without an endpoint: the tenant's endpoints read off the primary key (a
+    # recursive CTE, routed whole to the tenant's shard), then one probe per endpoint.
+    store.claim(Scope("beta", "POST /q", "stuck-key"), FP, ttl=600, lease=30)
+    found = store.find("beta", "stuck-key")
+    assert sorted(record.scope.endpoint for record in found) == ["POST /p", "POST /q"]
+    assert store.find("delta", "stuck-key") == []
 
 
 def _claim_and_write(node: SQLStore, scope: Scope, start: threading.Barrier) -> bool:

@@ -48,7 +48,7 @@ def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool
 
 
 #: The newest revision.
-HEAD = "0011"
+HEAD = "0012"
 
 
 def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:
@@ -157,6 +157,35 @@ def test_upgrade_from_0009_keeps_records_and_durable_claims(empty_url: str) -> N
             downgrade(empty_url, "0009")
     finally:
         store.engine.dispose()
+
+
+def test_upgrade_from_0007_drops_the_key_index_and_finds_keys_by_primary_key(
+    empty_url: str,
+) -> None:
+    """From revision 0012 the (tenant, key) index is gone: a record completed under 0007 still
+    replays and is still found by its key without an endpoint, on every endpoint it was used
+    on; the downgrade builds the index again."""
+    upgrade(empty_url, "0007")
+    store = create_store(empty_url)
+    engine = store.engine
+    try:
+        scopes = [Scope("tenant", endpoint, "before-0012") for endpoint in ("POST /a", "POST /b")]
+        for scope in scopes:
+            first = store.claim(scope, FP, ttl=600, lease=30)
+            assert first.claimed and store.complete(scope, first.record.claim_token, RESPONSE)
+        for revision, indexed in ((HEAD, False), ("0011", True)):
+            if revision == HEAD:
+                upgrade(empty_url)
+            else:
+                downgrade(empty_url, revision)
+            indexes = {index["name"] for index in sa.inspect(engine).get_indexes(TABLE_NAME)}
+            assert ("ix_idempotency_keys_tenant_key" in indexes) is indexed, indexes
+            found = store.find("tenant", "before-0012")
+            assert sorted(record.scope.endpoint for record in found) == ["POST /a", "POST /b"]
+            replay = store.claim(scopes[0], FP, ttl=600, lease=30)
+            assert not replay.claimed and replay.record.response == RESPONSE
+    finally:
+        engine.dispose()
 
 
 def test_runs_beside_an_application_history(fresh_pg_database: t.Callable[[], str]) -> None:

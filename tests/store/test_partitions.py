@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import typing as t
 
 import pytest
 import sqlalchemy as sa
@@ -10,6 +12,7 @@ import sqlalchemy as sa
 from flask_idem import Scope, State, StoredResponse
 from flask_idem.core.key_digest import unkeyed
 from flask_idem.store import SQLStore
+from tests.support.helpers import count_statements
 
 FP = hashlib.sha256(b"request").digest()
 RESPONSE = StoredResponse(201, (("Content-Type", "application/json"),), b"{}")
@@ -321,3 +324,67 @@ def test_a_record_claimed_long_ago_and_live_from_its_end_blocks_from_default(
     assert _partition_of(pg_store, scope) == "idempotency_keys_default"
     again = pg_store.claim(scope, FP, ttl=86400, lease=30)
     assert not again.claimed and again.record.response == RESPONSE
+
+
+@contextlib.contextmanager
+def _parameters(engine: sa.Engine) -> t.Iterator[list[t.Any]]:
+    """The driver parameters of every statement the engine sends while the block runs."""
+    bound: list[t.Any] = []
+
+    def record(_conn: t.Any, _cursor: t.Any, _statement: str, parameters: t.Any, *_: t.Any) -> None:
+        bound.append(parameters)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield bound
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", record)
+
+
+#: The tenant's records per endpoint in the lookup test: a table the planner would rather
+#: scan than probe at a few thousand rows.
+ROWS_PER_ENDPOINT = 20_000
+
+
+def _rows_read(plan: dict[str, t.Any]) -> int:
+    """Rows the plan's scans of idempotency_keys partitions returned or filtered out."""
+    read = 0
+    if plan.get("Relation Name", "").startswith("idempotency_keys"):
+        loops = plan.get("Actual Loops", 1)
+        read += plan["Actual Rows"] * loops + plan.get("Rows Removed by Filter", 0)
+    return read + sum(_rows_read(child) for child in plan.get("Plans", []))
+
+
+def test_a_lookup_by_key_without_its_endpoint_probes_the_primary_key(pg_store: SQLStore) -> None:
+    """``find`` without an endpoint (the inspection endpoint, ``flask idem show``) reads the
+    tenant's endpoints off the primary key and probes it per endpoint: it reads a few index
+    entries, not the tenant's records (no (tenant, key) index since migration 0012), and finds
+    the key's record on every endpoint, in every partition, DEFAULT included."""
+    endpoints = [f"POST /v1/e{n}" for n in range(3)]
+    for endpoint in endpoints:
+        pg_store.claim(Scope("t", endpoint, "k7"), FP, ttl=600, lease=30)
+        # The tenant's other records, as claims write them (their keys: any other digests).
+        _sql(
+            pg_store,
+            "INSERT INTO idempotency_keys (tenant, endpoint, key, fingerprint, state,"
+            " claim_token, lease_expires_at, created_at, expires_at)"
+            " SELECT tenant, endpoint, '$sha256$' || md5(n::text) || md5(endpoint || n), "
+            " fingerprint, state, claim_token, lease_expires_at, created_at, expires_at"
+            " FROM idempotency_keys, generate_series(1, :rows) AS n"
+            " WHERE tenant = 't' AND endpoint = :endpoint",
+            endpoint=endpoint,
+            rows=ROWS_PER_ENDPOINT,
+        )
+    _sql(pg_store, "ANALYZE idempotency_keys")
+    with count_statements(pg_store.engine) as seen, _parameters(pg_store.engine) as bound:
+        found = pg_store.find("t", "k7")
+    assert sorted(record.scope.endpoint for record in found) == endpoints
+    statement = seen[-1]
+    raw = pg_store.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, bound[-1])
+        plan = cursor.fetchone()[0][0]["Plan"]
+    finally:
+        raw.close()
+    assert _rows_read(plan) < 100, f"read {_rows_read(plan)} rows of {3 * ROWS_PER_ENDPOINT}"
