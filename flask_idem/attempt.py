@@ -22,8 +22,10 @@ Both callers share these decisions: :meth:`~Attempt.meet` (what a found record m
 :meth:`~Attempt.record_result` (record it, or name the failure). What a found record or a
 failure after the run leads to is one table, :data:`OUTCOMES`: its event, its HTTP answer (a
 view) and its job answer (a job). The callers translate: they render the row, replay a
-completed record, or answer what the run produced; they still give the key up themselves when
-their run ends outside these (a view's teardown, a job's ``finally``, a 4xx too large to store).
+completed record, or answer what the run produced. A run that ends without reaching
+:meth:`~Attempt.end_run` (a view's teardown, a job's ``finally``) is decided by
+:meth:`~Attempt.abandon`; a 4xx too large to store is given back by
+:meth:`~Attempt.record_result`: the callers give no key up themselves.
 """
 
 from __future__ import annotations
@@ -281,7 +283,9 @@ class Ending(enum.Enum):
 class Recording:
     """What recording a run's result came to (:meth:`Attempt.record_result`)."""
 
-    #: The result is recorded (as unstored, when there was no snapshot to store).
+    #: The result is recorded (as unstored, when there was no snapshot to store). False with
+    #: no failure: the run's answer goes out unrecorded, its key given back (a 4xx too large
+    #: to store) or kept taken (the store failed after effects outside a business transaction).
     recorded: bool
     #: The row of :data:`OUTCOMES` that answers instead of the run (None: the run's answer
     #: goes out, recorded or not).
@@ -868,7 +872,7 @@ class Attempt:
             # would run under a new one, with new downstream keys: a second charge. A failure of
             # a re-run (a refusal included) leaves the record unknown, the same row and keys.
             self.contacted = True
-        # Holding from here: if what follows raises, teardown gives the key up.
+        # Holding from here: if what follows raises, abandon() gives the key up.
         self._move(Phase.RUNNING)
         self.watch = self.app_state.keeper.watch(claim.record, lease)
         if self.app_state.sessions is not None:
@@ -954,9 +958,17 @@ class Attempt:
         and say what answers it: the run's own answer, or a row of :data:`OUTCOMES` (its
         event sent) when the lease was lost or the store failed.
 
+        A client error too large to keep (``snapshot`` None, a 4xx), from an attempt that
+        provably committed nothing (a validation answer before any contact), is given back, not
+        recorded: kept as unstored, it would answer 409 to every retry of a request that only
+        needs fixing; given back, a retry gets it again.
+
         :param ran: who ran (``"view"``, ``"job"``), for the reason given.
         :param status: the status the completion event reports.
         """
+        if snapshot is None and 400 <= status < 500 and self.releasable:
+            self.give_up("its 4xx answer is too large to store")
+            return Recording(False)
         try:
             stored = self.complete(snapshot)
         except StoreUnavailable as exc:
@@ -968,6 +980,26 @@ class Attempt:
             return Recording(False, Failure.LEASE_LOST)
         self.emit(signals.completed, status=status, stored=snapshot is not None)
         return Recording(True)
+
+    def abandon(self) -> None:
+        """The request or the job is over and its run never reached a recorded end (a view's
+        teardown after ``SystemExit`` from gunicorn's worker timeout or SIGQUIT,
+        ``KeyboardInterrupt``, a propagated exception; a job's ``finally`` after a failure
+        between its claim and its end). Decided from the phase and the lease: nothing when the
+        attempt no longer holds the key (recorded, or given up already); a job whose lease is
+        no longer renewed (its end was reached) is left to that lease, which runs out on its
+        own (the record then counts as unknown, never free); any other gives the key up
+        (:meth:`give_up`: released when releasable, else unknown)."""
+        if not self.holding:
+            return
+        if isinstance(self.options, JobOptions):
+            if self.watch is not None:
+                # A lease renewed for as long as the worker lives would refuse every
+                # redelivery until the queue drops the message.
+                self.give_up("the job ended before its outcome was recorded")
+            return
+        self.trace_completing()
+        self.give_up("the request ended without an answer")
 
     def note_ended_below(self) -> bool:
         """The view ended its business transaction below SQLAlchemy (the driver's ``commit()``

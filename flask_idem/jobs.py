@@ -127,11 +127,9 @@ def _run(
                 return _replayed(stored)
             return _execute(attempt, current_app.ensure_sync(function), call)
         finally:
-            if attempt.holding and attempt.watch is not None:
-                # Raised between the claim and the job's end (never by the job itself, whose
-                # failures _execute gives up): a lease renewed for as long as the worker lives
-                # would refuse every redelivery until the queue drops the message.
-                attempt.give_up("the job ended before its outcome was recorded")
+            # Raised between the claim and the job's end (never by the job itself, whose
+            # failures end_run gives up): the attempt decides what becomes of the key.
+            attempt.abandon()
 
 
 def _refuse_a_shared_session(app_state: AppState, options: JobOptions) -> None:

@@ -11,7 +11,8 @@ The guard (:mod:`.guard`) calls in when Flask dispatches to a protected view, af
             (:meth:`~flask_idem.attempt.Attempt.end_run`): the snapshot stored, committed with
             the business transaction, or the key given up;
 ``teardown`` a request that never reached ``finish`` (``SystemExit`` from gunicorn's worker
-            timeout or SIGQUIT/SIGINT, ``KeyboardInterrupt``, propagated exceptions) gives up.
+            timeout or SIGQUIT/SIGINT, ``KeyboardInterrupt``, propagated exceptions) is
+            abandoned (:meth:`~flask_idem.attempt.Attempt.abandon`): the key is given up.
 
 Giving up rolls the business transaction back, then *releases* the key only when the attempt
 provably committed nothing: the view answered through ``idem.refuse()``, or promised to declare
@@ -498,12 +499,6 @@ def finish(attempt: Attempt, response: Response) -> Response:
 def _record(attempt: Attempt, response: Response) -> Response:
     assert attempt.scope is not None
     snapshot = response_snapshot(attempt.app_state.settings, response)
-    if snapshot is None and 400 <= response.status_code < 500 and attempt.releasable:
-        # A client error too large to keep, from an attempt that provably committed nothing
-        # (a validation answer before any contact): kept as unstored, it would answer 409 to
-        # every retry of a request that only needs fixing. Given back, a retry gets it again.
-        attempt.give_up("its 4xx answer is too large to store")
-        return unreplayed(response)
     recording = attempt.record_result(snapshot, ran="view", status=response.status_code)
     if recording.failure is not None:
         problem = OUTCOMES[recording.failure].http()
@@ -511,7 +506,9 @@ def _record(attempt: Attempt, response: Response) -> Response:
         # After a failed commit the view's answer may be stored after all: no promise.
         return answer if recording.failure is Failure.COMMIT_UNCERTAIN else unreplayed(answer)
     if not recording.recorded:
-        return unreplayed(response)  # the client still learns what happened; retries 409
+        # The client still learns what happened: a 4xx too large to store was given back
+        # (a retry gets it again); effects outside a business transaction keep the key.
+        return unreplayed(response)
     if snapshot is None:
         log.warning(
             "response not stored (streamed or larger than IDEMPOTENCY_MAX_BODY); "
@@ -528,15 +525,14 @@ def _record(attempt: Attempt, response: Response) -> Response:
 
 
 def teardown(exc: BaseException | None) -> None:
-    """``teardown_request``: give up a claim the request never finished (``SystemExit`` from
-    gunicorn's worker timeout or SIGQUIT, ``KeyboardInterrupt``, a propagated exception)."""
+    """``teardown_request``: a claim the request never finished (``SystemExit`` from gunicorn's
+    worker timeout or SIGQUIT, ``KeyboardInterrupt``, a propagated exception) is the attempt's
+    to give up (:meth:`~flask_idem.attempt.Attempt.abandon`)."""
     attempt = Attempt.current()
     if attempt is None:
         return
     try:
-        if attempt.holding:
-            attempt.trace_completing()
-            attempt.give_up("the request ended without an answer")
+        attempt.abandon()
     finally:
         attempt.close()
         Attempt.detach()
