@@ -176,8 +176,12 @@ class Found(enum.Enum):
     PENDING = "pending"
     #: Nobody owns the outcome and the attempt may run it again as the same operation (a
     #: ``reexecute`` view or job, or a reopened record: an operator's release or a
-    #: reconciler's "not happened"): take it over.
+    #: reconciler's "not happened"): take it over. (:meth:`Attempt.meet` returns it only to
+    #: the winner of the takeover.)
     RERUN = "rerun"
+    #: A re-run another attempt took over first (never :func:`classify`'s: what
+    #: :meth:`Attempt.meet` says to a takeover's loser): the winner runs it now.
+    OVERTAKEN = "overtaken"
 
 
 class Failure(enum.Enum):
@@ -243,6 +247,9 @@ class Outcome:
     #: An error logged with the record's reason (``%s``), for a record nobody can act on
     #: until an operator does.
     log: str | None = None
+    #: A view claims again at once instead of answering (no event): it then finds what the
+    #: winner left, its record in progress, completed or given back. A job answers the row.
+    claims_again: bool = False
 
     def http(self) -> Problem:
         """The problem a view answers."""
@@ -305,6 +312,15 @@ _UNREADABLE = (
     "server; it was not executed again. Retry later with the same key."
 )
 
+_RUNNING = Outcome(
+    signal=signals.conflict,
+    problem=RequestInProgress,
+    detail=_IN_PROGRESS,
+    retry_after=IN_FLIGHT_RETRY_AFTER,
+    job_error=JobInProgress,
+    job_says="is being run by another worker",
+)
+
 #: What a found record that is neither replayed nor taken over, and a failure after the run,
 #: lead to. (A completed record is replayed by the caller; a re-run is taken over by
 #: :meth:`Attempt.meet`.)
@@ -365,14 +381,10 @@ OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
         job_error=JobResultNotStored,
         job_says="ran, but its result was not storable",
     ),
-    Found.RUNNING: Outcome(
-        signal=signals.conflict,
-        problem=RequestInProgress,
-        detail=_IN_PROGRESS,
-        retry_after=IN_FLIGHT_RETRY_AFTER,
-        job_error=JobInProgress,
-        job_says="is being run by another worker",
-    ),
+    Found.RUNNING: _RUNNING,
+    # The winner of the takeover is running it: a job is told so; a view claims again, and
+    # gets what the winner left (a wait and 409 while it runs, its replay once it completed).
+    Found.OVERTAKEN: dataclasses.replace(_RUNNING, claims_again=True),
     Found.PENDING: Outcome(
         signal=signals.pending,
         with_state=True,
@@ -830,8 +842,7 @@ class Attempt:
 
     def take_over(self, record: Record, lease: float) -> bool:
         """Claim a :attr:`Found.RERUN` record: one winner, the same row, so the same
-        downstream keys. False for a loser (it finds the winner's record in progress on its
-        next claim)."""
+        downstream keys. False for a loser (:attr:`Found.OVERTAKEN`)."""
         assert record.claim_token is not None
         taken = self.app_state.store.take_over(record.scope, record.claim_token, lease=lease)
         if taken is None:
@@ -885,9 +896,9 @@ class Attempt:
     def meet(self, record: Record, *, lease: float) -> Found:
         """What the record its claim found means for this attempt, decided once for a view and
         a job: a completed record's replay is reported (its answer is the adapter's: the
-        stored response, the stored value); a re-run is taken over (:attr:`holding` then says
-        whether this attempt won: a loser finds the winner's record in progress on its next
-        claim); any other is a row of :data:`OUTCOMES`, whose event the adapter sends when it
+        stored response, the stored value); a re-run is taken over (:attr:`Found.RERUN`: this
+        attempt won and holds the key; :attr:`Found.OVERTAKEN`: another attempt won); any other
+        is a row of :data:`OUTCOMES` (the loser's too), whose event the adapter sends when it
         answers (:meth:`emit_found`)."""
         assert self.fingerprint is not None and self.options is not None
         keys = self.app_state.store.keys
@@ -895,8 +906,8 @@ class Attempt:
         if found is Found.COMPLETED:
             assert record.response is not None
             self.emit(signals.replayed, status=record.response.status)
-        elif found is Found.RERUN:
-            self.take_over(record, lease)  # one winner, the same row: the same downstream keys
+        elif found is Found.RERUN and not self.take_over(record, lease):
+            return Found.OVERTAKEN  # one winner, the same row: the same downstream keys
         return found
 
     # -- the end of the run --------------------------------------------------------------

@@ -194,10 +194,10 @@ def _claim(attempt: Attempt, options: JobOptions, digest: bytes) -> Record | Non
         found = attempt.meet(record, lease=lease)
         if found is Found.COMPLETED:
             return record
-        if found is Found.RERUN and attempt.holding:
-            return None
-        # A re-run another worker took over first is running there.
-        refusal = attempt.emit_found(Found.RUNNING if found is Found.RERUN else found, record)
+        if found is Found.RERUN:
+            return None  # this attempt won the takeover: it runs the job
+        # A re-run another worker took over first (Found.OVERTAKEN) is running there.
+        refusal = attempt.emit_found(found, record)
         raise refusal.job(
             record.scope, reason=reason(record), retry_after=max(1.0, record.lease_remaining)
         )

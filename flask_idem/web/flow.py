@@ -275,14 +275,17 @@ def answer_existing(
     attempt: Attempt, record: Record, options: ViewOptions, deadline: float
 ) -> Response | None:
     """What a claim that found a record leads to: a problem (raised), a replay, or None: the
-    attempt took the record over (it holds the key), or claims again after a short wait."""
+    attempt took the record over (it holds the key), or claims again (at once when another
+    attempt took it over first; after a short wait while the owner runs)."""
     settings = attempt.app_state.settings
     found = attempt.meet(record, lease=settings.lease)
     if found is Found.COMPLETED:
         assert record.response is not None
         return replay(record.response, options, settings.stored_headers, record.kept_for)
     if found is Found.RERUN:
-        return None  # the winner runs the view; a loser claims again and finds it in progress
+        return None  # this attempt won the takeover: it runs the view
+    if OUTCOMES[found].claims_again:
+        return None
     if found is Found.RUNNING and time.monotonic() < deadline:
         time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
         return None
