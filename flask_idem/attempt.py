@@ -802,6 +802,12 @@ class Attempt:
         return getattr(self.options, "ttl", None) or self.app_state.settings.ttl
 
     @property
+    def lease(self) -> float:
+        """Seconds before an owner that stopped renewing counts as gone: a job's ``lease=``,
+        else ``IDEMPOTENCY_LEASE`` (a view's lease is the application's)."""
+        return getattr(self.options, "lease", None) or self.app_state.settings.lease
+
+    @property
     def in_transaction(self) -> bool:
         """Its business transaction is open (a rollback ends it; the next statement opens
         another)."""
@@ -821,13 +827,15 @@ class Attempt:
 
     # -- claim ---------------------------------------------------------------------------
 
-    def claim(self, digest: bytes, *, ttl: float, lease: float) -> Record | None:
-        """Claim the key: None when the attempt now holds it, else the record holding it.
+    def claim(self, digest: bytes) -> Record | None:
+        """Claim the key for :attr:`ttl`, under :attr:`lease`: None when the attempt now holds
+        it, else the record holding it.
 
         :raises StoreUnavailable: the store failed (reported by the caller, who answers).
         """
         assert self.scope is not None
         self.fingerprint = digest
+        ttl, lease = self.ttl, self.lease
         try:
             result = self.app_state.store.claim(self.scope, digest, ttl=ttl, lease=lease)
         except StoreUnavailable as exc:
@@ -837,20 +845,20 @@ class Attempt:
             raise
         if not result.claimed:
             return result.record
-        self._own(result, lease)
+        self._own(result)
         return None
 
-    def take_over(self, record: Record, lease: float) -> bool:
+    def take_over(self, record: Record) -> bool:
         """Claim a :attr:`Found.RERUN` record: one winner, the same row, so the same
         downstream keys. False for a loser (:attr:`Found.OVERTAKEN`)."""
         assert record.claim_token is not None
-        taken = self.app_state.store.take_over(record.scope, record.claim_token, lease=lease)
+        taken = self.app_state.store.take_over(record.scope, record.claim_token, lease=self.lease)
         if taken is None:
             return False
-        self._own(dataclasses.replace(taken, taken_over=True), lease)
+        self._own(dataclasses.replace(taken, taken_over=True))
         return True
 
-    def claim_atomic(self, digest: bytes, *, ttl: float) -> ClaimResult | None:
+    def claim_atomic(self, digest: bytes) -> ClaimResult | None:
         """The claim of an atomic view, inside the business transaction it opens: the
         result (claimed: the attempt holds the key; else the record holding it, after the
         empty transaction is rolled back), or None when a duplicate holds the scope."""
@@ -858,7 +866,7 @@ class Attempt:
         self.fingerprint = digest
         with OneDeadline():  # the checkout and the claim: one wait for the server
             connection = self.begin()
-            result = self.app_state.store.claim_atomic(connection, self.scope, digest, ttl=ttl)
+            result = self.app_state.store.claim_atomic(connection, self.scope, digest, ttl=self.ttl)
         if result is not None and result.claimed:
             self.token, self.record = result.token, result.record
             self.scope = result.record.scope  # with the digest its record carries
@@ -869,7 +877,7 @@ class Attempt:
             self.view_started = time.monotonic()
         return result
 
-    def _own(self, claim: ClaimResult, lease: float) -> None:
+    def _own(self, claim: ClaimResult) -> None:
         """The attempt holds the key: remember the token and keep renewing the lease."""
         assert self.scope is not None
         self.token = claim.token
@@ -885,7 +893,7 @@ class Attempt:
             self.contacted = True
         # Holding from here: if what follows raises, abandon() gives the key up.
         self._move(Phase.RUNNING)
-        self.watch = self.app_state.keeper.watch(claim.record, lease)
+        self.watch = self.app_state.keeper.watch(claim.record, self.lease)
         if self.app_state.sessions is not None:
             self.attach_session()  # db.session carries the business writes
         self.emit(signals.taken_over if claim.taken_over else signals.claimed)
@@ -893,7 +901,7 @@ class Attempt:
 
     # -- what a found record means --------------------------------------------------------
 
-    def meet(self, record: Record, *, lease: float) -> Found:
+    def meet(self, record: Record) -> Found:
         """What the record its claim found means for this attempt, decided once for a view and
         a job: a completed record's replay is reported (its answer is the adapter's: the
         stored response, the stored value); a re-run is taken over (:attr:`Found.RERUN`: this
@@ -906,7 +914,7 @@ class Attempt:
         if found is Found.COMPLETED:
             assert record.response is not None
             self.emit(signals.replayed, status=record.response.status)
-        elif found is Found.RERUN and not self.take_over(record, lease):
+        elif found is Found.RERUN and not self.take_over(record):
             return Found.OVERTAKEN  # one winner, the same row: the same downstream keys
         return found
 
@@ -1139,9 +1147,8 @@ class Attempt:
         commit published one (SQLite writes it at the claim), else a new one claimed for the
         purpose."""
         assert self.scope is not None and self.fingerprint is not None
-        settings = self.app_state.settings
         store = self.app_state.store
-        result = store.claim(self.scope, self.fingerprint, ttl=self.ttl, lease=settings.lease)
+        result = store.claim(self.scope, self.fingerprint, ttl=self.ttl, lease=self.lease)
         token = result.token if result.claimed else self.token
         assert token is not None
         return store.mark_unknown(self.scope, token, created_at=result.record.created_at)

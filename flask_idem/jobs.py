@@ -122,7 +122,7 @@ def _run(
     with _attached(Attempt(app_state, scope, options)) as attempt:
         attempt.start_trace()
         try:
-            stored = _claim(attempt, options, _fingerprint(options, call))
+            stored = _claim(attempt, _fingerprint(options, call))
             if stored is not None:
                 return _replayed(stored)
             return _execute(attempt, current_app.ensure_sync(function), call)
@@ -181,17 +181,15 @@ def _unprotected(
         return value
 
 
-def _claim(attempt: Attempt, options: JobOptions, digest: bytes) -> Record | None:
+def _claim(attempt: Attempt, digest: bytes) -> Record | None:
     """Take the message's key, or: the completed record to replay (returned), or a refusal
     (raised). None when the job may run."""
     assert attempt.scope is not None
-    settings = attempt.app_state.settings
-    lease = options.lease or settings.lease
     try:
-        record = attempt.claim(digest, ttl=attempt.ttl, lease=lease)
+        record = attempt.claim(digest)  # under the job's ttl= and lease= (Attempt.ttl, .lease)
         if record is None:
             return None
-        found = attempt.meet(record, lease=lease)
+        found = attempt.meet(record)
         if found is Found.COMPLETED:
             return record
         if found is Found.RERUN:

@@ -194,13 +194,12 @@ def claim(
     limit = app_state.key_limiter.applying(settings, options, scope)
     if limit is not None:
         _refuse_over_limit(attempt, limit)
-    ttl = attempt.ttl
     deadline = time.monotonic() + settings.wait
     if options.atomic:
-        return _claim_atomic(attempt, options, digest, ttl, deadline, limit)
+        return _claim_atomic(attempt, options, digest, deadline, limit)
     while True:
         try:
-            record = attempt.claim(digest, ttl=ttl, lease=settings.lease)
+            record = attempt.claim(digest)
             if record is None:
                 if limit is not None:
                     limit.count()  # a new record: the only claim the limit counts
@@ -233,7 +232,6 @@ def _claim_atomic(
     attempt: Attempt,
     options: ViewOptions,
     digest: bytes,
-    ttl: float,
     deadline: float,
     limit: KeyLimit | None,
 ) -> Response | None:
@@ -245,7 +243,7 @@ def _claim_atomic(
     """
     while True:
         try:
-            result = attempt.claim_atomic(digest, ttl=ttl)
+            result = attempt.claim_atomic(digest)
             if attempt.holding:
                 if limit is not None:
                     limit.count()
@@ -278,7 +276,7 @@ def answer_existing(
     attempt took the record over (it holds the key), or claims again (at once when another
     attempt took it over first; after a short wait while the owner runs)."""
     settings = attempt.app_state.settings
-    found = attempt.meet(record, lease=settings.lease)
+    found = attempt.meet(record)
     if found is Found.COMPLETED:
         assert record.response is not None
         return replay(record.response, options, settings.stored_headers, record.kept_for)

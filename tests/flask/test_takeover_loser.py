@@ -44,8 +44,8 @@ def test_the_loser_of_a_takeover_holds_nothing_and_answers_nothing_itself(store:
         for attempt in (winner, loser, view):
             attempt.fingerprint = FP
         try:
-            assert winner.meet(unknown, lease=30) is Found.RERUN and winner.holding
-            assert loser.meet(unknown, lease=30) is Found.OVERTAKEN and not loser.holding
+            assert winner.meet(unknown) is Found.RERUN and winner.holding
+            assert loser.meet(unknown) is Found.OVERTAKEN and not loser.holding
             # The view adapter claims again at once, without an event: no answer of its own.
             assert flow.answer_existing(view, unknown, options, time.monotonic()) is None
             assert not view.holding and conflicts == []
