@@ -26,6 +26,18 @@ completed record, or answer what the run produced. A run that ends without reach
 :meth:`~Attempt.end_run` (a view's teardown, a job's ``finally``) is decided by
 :meth:`~Attempt.abandon`; a 4xx too large to store is given back by
 :meth:`~Attempt.record_result`: the callers give no key up themselves.
+
+A completed record and a re-run are met by :meth:`~Attempt.meet`, not rows of
+:data:`OUTCOMES`, because neither is a refusal, and every row is one: constants a view renders
+(a problem, its ``Retry-After``) and a job raises (its error, its countdown), with the event
+they report. A completed record's answer is the record itself: a view rebuilds the stored
+response (the stored headers it keeps, ``replay=``, ``Idempotency-Retention`` from the
+record), a job decodes the stored JSON (and refuses one that is not); as a row it would fill
+none of the columns, only name a branch each adapter keeps anyway. A re-run is no answer but
+a takeover, a store call whose result is the case: the winner holds the key and runs (both
+adapters' ``holding``), the loser is the row :attr:`Found.OVERTAKEN`. So the table covers
+every case that refuses, and only those (a unit test holds it to every other :class:`Found`
+and every :class:`Failure`).
 """
 
 from __future__ import annotations
@@ -323,7 +335,7 @@ _RUNNING = Outcome(
 
 #: What a found record that is neither replayed nor taken over, and a failure after the run,
 #: lead to. (A completed record is replayed by the caller; a re-run is taken over by
-#: :meth:`Attempt.meet`.)
+#: :meth:`Attempt.meet`: why neither is a row, see the module's docstring.)
 OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
     Found.DAMAGED: Outcome(
         problem=StoredResponseUnreadable,
