@@ -25,7 +25,7 @@ from flask_idem.core.errors import (
 from flask_idem.core.idempotency_keys import InvalidKey
 from flask_idem.store import SQLStore
 from tests.flask.test_outcomes import FakeProvider
-from tests.support.helpers import Counter, shift
+from tests.support.helpers import Counter, shift, with_tables
 
 ENDPOINT = "JOB charge-order"
 orders = sa.Table(
@@ -38,12 +38,11 @@ orders = sa.Table(
 
 @pytest.fixture
 def app(store: SQLStore) -> t.Iterator[flask.Flask]:
-    orders.metadata.create_all(store.engine)
-    app = flask.Flask("jobs")
-    app.config.update(IDEMPOTENCY_LEASE=1)
-    app.extensions["test_idem"] = Idempotency(app, store=store)
-    yield app
-    orders.metadata.drop_all(store.engine)
+    with with_tables(store, orders):
+        app = flask.Flask("jobs")
+        app.config.update(IDEMPOTENCY_LEASE=1)
+        app.extensions["test_idem"] = Idempotency(app, store=store)
+        yield app
 
 
 def _idem(app: flask.Flask) -> Idempotency:
