@@ -22,8 +22,22 @@ Both callers share these decisions: :meth:`~Attempt.meet` (what a found record m
 :meth:`~Attempt.record_result` (record it, or name the failure). What a found record or a
 failure after the run leads to is one table, :data:`OUTCOMES`: its event, its HTTP answer (a
 view) and its job answer (a job). The callers translate: they render the row, replay a
-completed record, or answer what the run produced; they still give the key up themselves when
-their run ends outside these (a view's teardown, a job's ``finally``, a 4xx too large to store).
+completed record, or answer what the run produced. A run that ends without reaching
+:meth:`~Attempt.end_run` (a view's teardown, a job's ``finally``) is decided by
+:meth:`~Attempt.abandon`; a 4xx too large to store is given back by
+:meth:`~Attempt.record_result`: the callers give no key up themselves.
+
+A completed record and a re-run are met by :meth:`~Attempt.meet`, not rows of
+:data:`OUTCOMES`, because neither is a refusal, and every row is one: constants a view renders
+(a problem, its ``Retry-After``) and a job raises (its error, its countdown), with the event
+they report. A completed record's answer is the record itself: a view rebuilds the stored
+response (the stored headers it keeps, ``replay=``, ``Idempotency-Retention`` from the
+record), a job decodes the stored JSON (and refuses one that is not); as a row it would fill
+none of the columns, only name a branch each adapter keeps anyway. A re-run is no answer but
+a takeover, a store call whose result is the case: the winner holds the key and runs (both
+adapters' ``holding``), the loser is the row :attr:`Found.OVERTAKEN`. So the table covers
+every case that refuses, and only those (a unit test holds it to every other :class:`Found`
+and every :class:`Failure`).
 """
 
 from __future__ import annotations
@@ -174,8 +188,12 @@ class Found(enum.Enum):
     PENDING = "pending"
     #: Nobody owns the outcome and the attempt may run it again as the same operation (a
     #: ``reexecute`` view or job, or a reopened record: an operator's release or a
-    #: reconciler's "not happened"): take it over.
+    #: reconciler's "not happened"): take it over. (:meth:`Attempt.meet` returns it only to
+    #: the winner of the takeover.)
     RERUN = "rerun"
+    #: A re-run another attempt took over first (never :func:`classify`'s: what
+    #: :meth:`Attempt.meet` says to a takeover's loser): the winner runs it now.
+    OVERTAKEN = "overtaken"
 
 
 class Failure(enum.Enum):
@@ -241,6 +259,9 @@ class Outcome:
     #: An error logged with the record's reason (``%s``), for a record nobody can act on
     #: until an operator does.
     log: str | None = None
+    #: A view claims again at once instead of answering (no event): it then finds what the
+    #: winner left, its record in progress, completed or given back. A job answers the row.
+    claims_again: bool = False
 
     def http(self) -> Problem:
         """The problem a view answers."""
@@ -281,7 +302,9 @@ class Ending(enum.Enum):
 class Recording:
     """What recording a run's result came to (:meth:`Attempt.record_result`)."""
 
-    #: The result is recorded (as unstored, when there was no snapshot to store).
+    #: The result is recorded (as unstored, when there was no snapshot to store). False with
+    #: no failure: the run's answer goes out unrecorded, its key given back (a 4xx too large
+    #: to store) or kept taken (the store failed after effects outside a business transaction).
     recorded: bool
     #: The row of :data:`OUTCOMES` that answers instead of the run (None: the run's answer
     #: goes out, recorded or not).
@@ -301,9 +324,18 @@ _UNREADABLE = (
     "server; it was not executed again. Retry later with the same key."
 )
 
+_RUNNING = Outcome(
+    signal=signals.conflict,
+    problem=RequestInProgress,
+    detail=_IN_PROGRESS,
+    retry_after=IN_FLIGHT_RETRY_AFTER,
+    job_error=JobInProgress,
+    job_says="is being run by another worker",
+)
+
 #: What a found record that is neither replayed nor taken over, and a failure after the run,
 #: lead to. (A completed record is replayed by the caller; a re-run is taken over by
-#: :meth:`Attempt.meet`.)
+#: :meth:`Attempt.meet`: why neither is a row, see the module's docstring.)
 OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
     Found.DAMAGED: Outcome(
         problem=StoredResponseUnreadable,
@@ -361,14 +393,10 @@ OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
         job_error=JobResultNotStored,
         job_says="ran, but its result was not storable",
     ),
-    Found.RUNNING: Outcome(
-        signal=signals.conflict,
-        problem=RequestInProgress,
-        detail=_IN_PROGRESS,
-        retry_after=IN_FLIGHT_RETRY_AFTER,
-        job_error=JobInProgress,
-        job_says="is being run by another worker",
-    ),
+    Found.RUNNING: _RUNNING,
+    # The winner of the takeover is running it: a job is told so; a view claims again, and
+    # gets what the winner left (a wait and 409 while it runs, its replay once it completed).
+    Found.OVERTAKEN: dataclasses.replace(_RUNNING, claims_again=True),
     Found.PENDING: Outcome(
         signal=signals.pending,
         with_state=True,
@@ -786,6 +814,12 @@ class Attempt:
         return getattr(self.options, "ttl", None) or self.app_state.settings.ttl
 
     @property
+    def lease(self) -> float:
+        """Seconds before an owner that stopped renewing counts as gone: a job's ``lease=``,
+        else ``IDEMPOTENCY_LEASE`` (a view's lease is the application's)."""
+        return getattr(self.options, "lease", None) or self.app_state.settings.lease
+
+    @property
     def in_transaction(self) -> bool:
         """Its business transaction is open (a rollback ends it; the next statement opens
         another)."""
@@ -805,13 +839,15 @@ class Attempt:
 
     # -- claim ---------------------------------------------------------------------------
 
-    def claim(self, digest: bytes, *, ttl: float, lease: float) -> Record | None:
-        """Claim the key: None when the attempt now holds it, else the record holding it.
+    def claim(self, digest: bytes) -> Record | None:
+        """Claim the key for :attr:`ttl`, under :attr:`lease`: None when the attempt now holds
+        it, else the record holding it.
 
         :raises StoreUnavailable: the store failed (reported by the caller, who answers).
         """
         assert self.scope is not None
         self.fingerprint = digest
+        ttl, lease = self.ttl, self.lease
         try:
             result = self.app_state.store.claim(self.scope, digest, ttl=ttl, lease=lease)
         except StoreUnavailable as exc:
@@ -821,21 +857,20 @@ class Attempt:
             raise
         if not result.claimed:
             return result.record
-        self._own(result, lease)
+        self._own(result)
         return None
 
-    def take_over(self, record: Record, lease: float) -> bool:
+    def take_over(self, record: Record) -> bool:
         """Claim a :attr:`Found.RERUN` record: one winner, the same row, so the same
-        downstream keys. False for a loser (it finds the winner's record in progress on its
-        next claim)."""
+        downstream keys. False for a loser (:attr:`Found.OVERTAKEN`)."""
         assert record.claim_token is not None
-        taken = self.app_state.store.take_over(record.scope, record.claim_token, lease=lease)
+        taken = self.app_state.store.take_over(record.scope, record.claim_token, lease=self.lease)
         if taken is None:
             return False
-        self._own(dataclasses.replace(taken, taken_over=True), lease)
+        self._own(dataclasses.replace(taken, taken_over=True))
         return True
 
-    def claim_atomic(self, digest: bytes, *, ttl: float) -> ClaimResult | None:
+    def claim_atomic(self, digest: bytes) -> ClaimResult | None:
         """The claim of an atomic view, inside the business transaction it opens: the
         result (claimed: the attempt holds the key; else the record holding it, after the
         empty transaction is rolled back), or None when a duplicate holds the scope."""
@@ -843,7 +878,7 @@ class Attempt:
         self.fingerprint = digest
         with OneDeadline():  # the checkout and the claim: one wait for the server
             connection = self.begin()
-            result = self.app_state.store.claim_atomic(connection, self.scope, digest, ttl=ttl)
+            result = self.app_state.store.claim_atomic(connection, self.scope, digest, ttl=self.ttl)
         if result is not None and result.claimed:
             self.token, self.record = result.token, result.record
             self.scope = result.record.scope  # with the digest its record carries
@@ -854,7 +889,7 @@ class Attempt:
             self.view_started = time.monotonic()
         return result
 
-    def _own(self, claim: ClaimResult, lease: float) -> None:
+    def _own(self, claim: ClaimResult) -> None:
         """The attempt holds the key: remember the token and keep renewing the lease."""
         assert self.scope is not None
         self.token = claim.token
@@ -868,9 +903,9 @@ class Attempt:
             # would run under a new one, with new downstream keys: a second charge. A failure of
             # a re-run (a refusal included) leaves the record unknown, the same row and keys.
             self.contacted = True
-        # Holding from here: if what follows raises, teardown gives the key up.
+        # Holding from here: if what follows raises, abandon() gives the key up.
         self._move(Phase.RUNNING)
-        self.watch = self.app_state.keeper.watch(claim.record, lease)
+        self.watch = self.app_state.keeper.watch(claim.record, self.lease)
         if self.app_state.sessions is not None:
             self.attach_session()  # db.session carries the business writes
         self.emit(signals.taken_over if claim.taken_over else signals.claimed)
@@ -878,12 +913,12 @@ class Attempt:
 
     # -- what a found record means --------------------------------------------------------
 
-    def meet(self, record: Record, *, lease: float) -> Found:
+    def meet(self, record: Record) -> Found:
         """What the record its claim found means for this attempt, decided once for a view and
         a job: a completed record's replay is reported (its answer is the adapter's: the
-        stored response, the stored value); a re-run is taken over (:attr:`holding` then says
-        whether this attempt won: a loser finds the winner's record in progress on its next
-        claim); any other is a row of :data:`OUTCOMES`, whose event the adapter sends when it
+        stored response, the stored value); a re-run is taken over (:attr:`Found.RERUN`: this
+        attempt won and holds the key; :attr:`Found.OVERTAKEN`: another attempt won); any other
+        is a row of :data:`OUTCOMES` (the loser's too), whose event the adapter sends when it
         answers (:meth:`emit_found`)."""
         assert self.fingerprint is not None and self.options is not None
         keys = self.app_state.store.keys
@@ -891,8 +926,8 @@ class Attempt:
         if found is Found.COMPLETED:
             assert record.response is not None
             self.emit(signals.replayed, status=record.response.status)
-        elif found is Found.RERUN:
-            self.take_over(record, lease)  # one winner, the same row: the same downstream keys
+        elif found is Found.RERUN and not self.take_over(record):
+            return Found.OVERTAKEN  # one winner, the same row: the same downstream keys
         return found
 
     # -- the end of the run --------------------------------------------------------------
@@ -954,9 +989,17 @@ class Attempt:
         and say what answers it: the run's own answer, or a row of :data:`OUTCOMES` (its
         event sent) when the lease was lost or the store failed.
 
+        A client error too large to keep (``snapshot`` None, a 4xx), from an attempt that
+        provably committed nothing (a validation answer before any contact), is given back, not
+        recorded: kept as unstored, it would answer 409 to every retry of a request that only
+        needs fixing; given back, a retry gets it again.
+
         :param ran: who ran (``"view"``, ``"job"``), for the reason given.
         :param status: the status the completion event reports.
         """
+        if snapshot is None and 400 <= status < 500 and self.releasable:
+            self.give_up("its 4xx answer is too large to store")
+            return Recording(False)
         try:
             stored = self.complete(snapshot)
         except StoreUnavailable as exc:
@@ -968,6 +1011,26 @@ class Attempt:
             return Recording(False, Failure.LEASE_LOST)
         self.emit(signals.completed, status=status, stored=snapshot is not None)
         return Recording(True)
+
+    def abandon(self) -> None:
+        """The request or the job is over and its run never reached a recorded end (a view's
+        teardown after ``SystemExit`` from gunicorn's worker timeout or SIGQUIT,
+        ``KeyboardInterrupt``, a propagated exception; a job's ``finally`` after a failure
+        between its claim and its end). Decided from the phase and the lease: nothing when the
+        attempt no longer holds the key (recorded, or given up already); a job whose lease is
+        no longer renewed (its end was reached) is left to that lease, which runs out on its
+        own (the record then counts as unknown, never free); any other gives the key up
+        (:meth:`give_up`: released when releasable, else unknown)."""
+        if not self.holding:
+            return
+        if isinstance(self.options, JobOptions):
+            if self.watch is not None:
+                # A lease renewed for as long as the worker lives would refuse every
+                # redelivery until the queue drops the message.
+                self.give_up("the job ended before its outcome was recorded")
+            return
+        self.trace_completing()
+        self.give_up("the request ended without an answer")
 
     def note_ended_below(self) -> bool:
         """The view ended its business transaction below SQLAlchemy (the driver's ``commit()``
@@ -1096,9 +1159,8 @@ class Attempt:
         commit published one (SQLite writes it at the claim), else a new one claimed for the
         purpose."""
         assert self.scope is not None and self.fingerprint is not None
-        settings = self.app_state.settings
         store = self.app_state.store
-        result = store.claim(self.scope, self.fingerprint, ttl=self.ttl, lease=settings.lease)
+        result = store.claim(self.scope, self.fingerprint, ttl=self.ttl, lease=self.lease)
         token = result.token if result.claimed else self.token
         assert token is not None
         return store.mark_unknown(self.scope, token, created_at=result.record.created_at)

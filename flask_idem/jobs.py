@@ -122,16 +122,14 @@ def _run(
     with _attached(Attempt(app_state, scope, options)) as attempt:
         attempt.start_trace()
         try:
-            stored = _claim(attempt, options, _fingerprint(options, call))
+            stored = _claim(attempt, _fingerprint(options, call))
             if stored is not None:
                 return _replayed(stored)
             return _execute(attempt, current_app.ensure_sync(function), call)
         finally:
-            if attempt.holding and attempt.watch is not None:
-                # Raised between the claim and the job's end (never by the job itself, whose
-                # failures _execute gives up): a lease renewed for as long as the worker lives
-                # would refuse every redelivery until the queue drops the message.
-                attempt.give_up("the job ended before its outcome was recorded")
+            # Raised between the claim and the job's end (never by the job itself, whose
+            # failures end_run gives up): the attempt decides what becomes of the key.
+            attempt.abandon()
 
 
 def _refuse_a_shared_session(app_state: AppState, options: JobOptions) -> None:
@@ -183,23 +181,21 @@ def _unprotected(
         return value
 
 
-def _claim(attempt: Attempt, options: JobOptions, digest: bytes) -> Record | None:
+def _claim(attempt: Attempt, digest: bytes) -> Record | None:
     """Take the message's key, or: the completed record to replay (returned), or a refusal
     (raised). None when the job may run."""
     assert attempt.scope is not None
-    settings = attempt.app_state.settings
-    lease = options.lease or settings.lease
     try:
-        record = attempt.claim(digest, ttl=attempt.ttl, lease=lease)
+        record = attempt.claim(digest)  # under the job's ttl= and lease= (Attempt.ttl, .lease)
         if record is None:
             return None
-        found = attempt.meet(record, lease=lease)
+        found = attempt.meet(record)
         if found is Found.COMPLETED:
             return record
-        if found is Found.RERUN and attempt.holding:
-            return None
-        # A re-run another worker took over first is running there.
-        refusal = attempt.emit_found(Found.RUNNING if found is Found.RERUN else found, record)
+        if found is Found.RERUN:
+            return None  # this attempt won the takeover: it runs the job
+        # A re-run another worker took over first (Found.OVERTAKEN) is running there.
+        refusal = attempt.emit_found(found, record)
         raise refusal.job(
             record.scope, reason=reason(record), retry_after=max(1.0, record.lease_remaining)
         )

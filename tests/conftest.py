@@ -12,11 +12,10 @@ from flask import Flask
 
 from flask_idem import Idempotency, Scope
 from flask_idem.ops.migrate import upgrade
-from flask_idem.store import SQLStore, create_store
-from flask_idem.testing import empty_store
+from flask_idem.store import SQLStore
 
 from .support import citus_cluster, debian, fsa_app, pgcluster, redis_server
-from .support.helpers import Counter
+from .support.helpers import Counter, store_on
 from .support.sqlalchemy_paths import sqlalchemy_path  # noqa: F401 (a fixture)
 
 DIALECTS = ("postgresql", "sqlite")
@@ -150,21 +149,15 @@ def unmigrated_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def store(db_url: str) -> t.Iterator[SQLStore]:
     """An empty store on each dialect."""
-    store = create_store(db_url)
-    empty_store(store)
-    yield store
-    empty_store(store)
-    store.engine.dispose()
+    with store_on(db_url) as store:
+        yield store
 
 
 @pytest.fixture
 def pg_store(pg_url: str) -> t.Iterator[SQLStore]:
     """An empty PostgreSQL store."""
-    store = create_store(pg_url)
-    empty_store(store)
-    yield store
-    empty_store(store)
-    store.engine.dispose()
+    with store_on(pg_url) as store:
+        yield store
 
 
 @pytest.fixture

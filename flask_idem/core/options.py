@@ -8,6 +8,16 @@ frozen dataclasses (:class:`ViewOptions`, :class:`JobOptions`, sharing :class:`O
 hold the validated values with their defaults; they restate the names only because a type
 checker reads attributes from a class, not from a ``TypedDict`` (tests/unit/test_options.py keeps
 the two equal).
+
+Why not one declaration: mypy types ``**options`` only from a ``TypedDict`` (PEP 692) and
+attributes only from a class, and derives neither from the other without a plugin. A dataclass
+built at run time from the ``TypedDict`` (or the other way round) is ``Any`` to mypy, so under
+``strict`` a wrong option type would pass the decorators or every read of ``options.atomic``;
+the ``TypedDict`` itself as the run-time value (a dict read as ``options["atomic"]``) would be
+mutable data where the style is frozen dataclasses; a decorator typed from the dataclass's
+``__init__`` (``ParamSpec``) cannot keep ``idempotent``'s two overloads (bare, and with
+options). So each name is written twice, its documentation once (here, on the ``TypedDict``),
+its default and validation once (on the dataclass), and a test fails when the names part.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ The guard (:mod:`.guard`) calls in when Flask dispatches to a protected view, af
             (:meth:`~flask_idem.attempt.Attempt.end_run`): the snapshot stored, committed with
             the business transaction, or the key given up;
 ``teardown`` a request that never reached ``finish`` (``SystemExit`` from gunicorn's worker
-            timeout or SIGQUIT/SIGINT, ``KeyboardInterrupt``, propagated exceptions) gives up.
+            timeout or SIGQUIT/SIGINT, ``KeyboardInterrupt``, propagated exceptions) is
+            abandoned (:meth:`~flask_idem.attempt.Attempt.abandon`): the key is given up.
 
 Giving up rolls the business transaction back, then *releases* the key only when the attempt
 provably committed nothing: the view answered through ``idem.refuse()``, or promised to declare
@@ -193,13 +194,12 @@ def claim(
     limit = app_state.key_limiter.applying(settings, options, scope)
     if limit is not None:
         _refuse_over_limit(attempt, limit)
-    ttl = attempt.ttl
     deadline = time.monotonic() + settings.wait
     if options.atomic:
-        return _claim_atomic(attempt, options, digest, ttl, deadline, limit)
+        return _claim_atomic(attempt, options, digest, deadline, limit)
     while True:
         try:
-            record = attempt.claim(digest, ttl=ttl, lease=settings.lease)
+            record = attempt.claim(digest)
             if record is None:
                 if limit is not None:
                     limit.count()  # a new record: the only claim the limit counts
@@ -232,7 +232,6 @@ def _claim_atomic(
     attempt: Attempt,
     options: ViewOptions,
     digest: bytes,
-    ttl: float,
     deadline: float,
     limit: KeyLimit | None,
 ) -> Response | None:
@@ -244,7 +243,7 @@ def _claim_atomic(
     """
     while True:
         try:
-            result = attempt.claim_atomic(digest, ttl=ttl)
+            result = attempt.claim_atomic(digest)
             if attempt.holding:
                 if limit is not None:
                     limit.count()
@@ -274,14 +273,17 @@ def answer_existing(
     attempt: Attempt, record: Record, options: ViewOptions, deadline: float
 ) -> Response | None:
     """What a claim that found a record leads to: a problem (raised), a replay, or None: the
-    attempt took the record over (it holds the key), or claims again after a short wait."""
+    attempt took the record over (it holds the key), or claims again (at once when another
+    attempt took it over first; after a short wait while the owner runs)."""
     settings = attempt.app_state.settings
-    found = attempt.meet(record, lease=settings.lease)
+    found = attempt.meet(record)
     if found is Found.COMPLETED:
         assert record.response is not None
         return replay(record.response, options, settings.stored_headers, record.kept_for)
     if found is Found.RERUN:
-        return None  # the winner runs the view; a loser claims again and finds it in progress
+        return None  # this attempt won the takeover: it runs the view
+    if OUTCOMES[found].claims_again:
+        return None
     if found is Found.RUNNING and time.monotonic() < deadline:
         time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
         return None
@@ -498,12 +500,6 @@ def finish(attempt: Attempt, response: Response) -> Response:
 def _record(attempt: Attempt, response: Response) -> Response:
     assert attempt.scope is not None
     snapshot = response_snapshot(attempt.app_state.settings, response)
-    if snapshot is None and 400 <= response.status_code < 500 and attempt.releasable:
-        # A client error too large to keep, from an attempt that provably committed nothing
-        # (a validation answer before any contact): kept as unstored, it would answer 409 to
-        # every retry of a request that only needs fixing. Given back, a retry gets it again.
-        attempt.give_up("its 4xx answer is too large to store")
-        return unreplayed(response)
     recording = attempt.record_result(snapshot, ran="view", status=response.status_code)
     if recording.failure is not None:
         problem = OUTCOMES[recording.failure].http()
@@ -511,7 +507,9 @@ def _record(attempt: Attempt, response: Response) -> Response:
         # After a failed commit the view's answer may be stored after all: no promise.
         return answer if recording.failure is Failure.COMMIT_UNCERTAIN else unreplayed(answer)
     if not recording.recorded:
-        return unreplayed(response)  # the client still learns what happened; retries 409
+        # The client still learns what happened: a 4xx too large to store was given back
+        # (a retry gets it again); effects outside a business transaction keep the key.
+        return unreplayed(response)
     if snapshot is None:
         log.warning(
             "response not stored (streamed or larger than IDEMPOTENCY_MAX_BODY); "
@@ -528,15 +526,14 @@ def _record(attempt: Attempt, response: Response) -> Response:
 
 
 def teardown(exc: BaseException | None) -> None:
-    """``teardown_request``: give up a claim the request never finished (``SystemExit`` from
-    gunicorn's worker timeout or SIGQUIT, ``KeyboardInterrupt``, a propagated exception)."""
+    """``teardown_request``: a claim the request never finished (``SystemExit`` from gunicorn's
+    worker timeout or SIGQUIT, ``KeyboardInterrupt``, a propagated exception) is the attempt's
+    to give up (:meth:`~flask_idem.attempt.Attempt.abandon`)."""
     attempt = Attempt.current()
     if attempt is None:
         return
     try:
-        if attempt.holding:
-            attempt.trace_completing()
-            attempt.give_up("the request ended without an answer")
+        attempt.abandon()
     finally:
         attempt.close()
         Attempt.detach()

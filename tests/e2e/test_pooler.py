@@ -30,7 +30,6 @@ from flask_idem.core.errors import StoreUnavailable
 from flask_idem.ops import check
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import create_engine, create_store, engines
-from flask_idem.testing import empty_store
 from tests.e2e.test_faults import (
     BOUND,
     PROMISED,
@@ -48,6 +47,7 @@ from tests.e2e.test_faults import (
 from tests.e2e.test_sample_app import in_background, wait_for
 from tests.support import pgbouncer, pgcluster
 from tests.support.drivers import PG_DRIVERS, spelled_for
+from tests.support.helpers import store_on
 from tests.support.sample_server import Reply, SampleServer, migrate
 from tests.support.stalled import answered_while, table_locked
 
@@ -129,11 +129,8 @@ def driver(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def pooled_store(database: str, any_pooler: pgbouncer.PgBouncer, driver: str) -> t.Iterator[t.Any]:
     """An empty store whose engine reaches the database through PgBouncer."""
-    store = create_store(spelled_for(any_pooler.url(database), driver))
-    empty_store(store)
-    yield store
-    empty_store(store)
-    store.engine.dispose()
+    with store_on(spelled_for(any_pooler.url(database), driver)) as store:
+        yield store
 
 
 @pytest.fixture(params=["own", "foreign"])

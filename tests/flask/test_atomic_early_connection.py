@@ -12,16 +12,13 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idem import Idempotency
-from flask_idem.testing import empty_store
-from tests.support.fsa_app import Order, application, db
+from tests.support.fsa_app import Order, db, protected
 
 
 def _app(pg_url: str, *, early: bool) -> tuple[Flask, Idempotency]:
     # PostgreSQL: on SQLite the hook's open transaction holds the write lock (see
     # tests/flask/test_early_connection_commit_guard.py).
-    app = application(pg_url, "atomic-early")
-    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
-    empty_store(app.extensions["idempotency"].store)
+    app, idem = protected(pg_url, "atomic-early")
 
     if early:
 

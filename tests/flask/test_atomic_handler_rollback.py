@@ -13,16 +13,12 @@ import sqlalchemy as sa
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 
-from flask_idem import Idempotency
-from flask_idem.testing import empty_store
-from tests.support.fsa_app import Order, application, db, discard
+from tests.support.fsa_app import Order, db, discard, protected
 
 
 @pytest.fixture
 def app(db_url: str) -> t.Iterator[Flask]:
-    app = application(db_url, "atomic-handler")
-    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
-    empty_store(app.extensions["idempotency"].store)
+    app, idem = protected(db_url, "atomic-handler")
 
     @app.errorhandler(HTTPException)
     def rendered(error: HTTPException) -> t.Any:

@@ -13,17 +13,16 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask
 
-from flask_idem import Idempotency
 from flask_idem.sessions import SessionSettled
-from flask_idem.store import SQLStore, create_store
-from flask_idem.testing import empty_store
+from flask_idem.store import SQLStore
 from tests.support.commit_views import self_committing_app, three_tries
 from tests.support.drivers import (
     PG_DRIVERS,
     db_url_on_each_driver,  # noqa: F401 (the fixture, on each driver)
     spelled_for,
 )
-from tests.support.fsa_app import Order, application, db, notes
+from tests.support.fsa_app import Order, create_tables, db, notes, protected
+from tests.support.helpers import store_on, with_tables
 
 pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
 
@@ -55,13 +54,8 @@ def pg_driver_url(request: pytest.FixtureRequest, pg_url: str) -> str:
 
 @pytest.fixture
 def tables(pg_driver_url: str) -> t.Iterator[SQLStore]:
-    store = create_store(pg_driver_url)
-    empty_store(store)
-    ledger.metadata.create_all(store.engine)
-    yield store
-    ledger.metadata.drop_all(store.engine)
-    empty_store(store)
-    store.engine.dispose()
+    with store_on(pg_driver_url) as store, with_tables(store, ledger):
+        yield store
 
 
 def _paid(store: SQLStore) -> int:
@@ -86,18 +80,6 @@ def test_a_drivers_own_commit_on_the_stores_connection_is_never_released(
     assert answers[1].get_json()["type"].endswith("/outcome-pending")
 
 
-def _fsa_app(db_url: str, name: str) -> tuple[Flask, Idempotency]:
-    app = application(db_url, name)
-    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
-    empty_store(app.extensions["idempotency"].store)
-    return app, idem
-
-
-def _create_tables(app: Flask) -> None:
-    with app.app_context():
-        db.create_all()
-
-
 @pytest.mark.parametrize("mode", ["durable", "atomic"])
 def test_a_drivers_own_commit_under_the_session_is_never_released(
     pg_driver_url: str, fsa_apps: list[Flask], mode: str
@@ -106,7 +88,7 @@ def test_a_drivers_own_commit_under_the_session_is_never_released(
     refused before it commits (the session's transaction is the session's to settle): nothing
     is published, so the attempt is given back (durable, before contact) or leaves nothing
     (atomic), and every retry is refused the same way."""
-    app, idem = _fsa_app(pg_driver_url, f"fsa-driver-commit-{mode}")
+    app, idem = protected(pg_driver_url, f"fsa-driver-commit-{mode}")
     fsa_apps.append(app)
     atomic = mode == "atomic"
     options = {"atomic": True} if atomic else {"release_before_contact": True}
@@ -122,7 +104,7 @@ def test_a_drivers_own_commit_under_the_session_is_never_released(
         raise RuntimeError("the provider failed")
 
     refused: list[int] = []
-    _create_tables(app)
+    create_tables(app)
     client = app.test_client()
     answers = [client.post("/orders", headers={"Idempotency-Key": "fsa"}) for _ in range(3)]
     assert notes(app) == [], "the refused commit published nothing"
@@ -149,7 +131,7 @@ REMOVALS: dict[str, t.Callable[[], None]] = {
 def test_a_fresh_session_after_remove_is_never_released(
     db_url: str, fsa_apps: list[Flask], mode: str, removal: str
 ) -> None:
-    app, idem = _fsa_app(db_url, f"fsa-removed-{mode}")
+    app, idem = protected(db_url, f"fsa-removed-{mode}")
     fsa_apps.append(app)
     options = {"atomic": True} if mode == "atomic" else {"release_before_contact": True}
 
@@ -161,7 +143,7 @@ def test_a_fresh_session_after_remove_is_never_released(
         db.session.commit()  # the fresh session is no business transaction of flask_idem's
         return {"error": "provider unavailable"}, 503
 
-    _create_tables(app)
+    create_tables(app)
     client = app.test_client()
     answers = [client.post("/orders", headers={"Idempotency-Key": "removed"}) for _ in range(3)]
     assert notes(app) == ["committed"], "committed once, never by a retry"
@@ -175,7 +157,7 @@ def test_a_view_that_replaced_its_session_never_stores_its_answer(
 ) -> None:
     """Its rows went into the fresh ``db.session``, which flask_idem never commits: a stored
     201 would replay a success for rows that do not exist."""
-    app, idem = _fsa_app(db_url, "fsa-replaced")
+    app, idem = protected(db_url, "fsa-replaced")
     fsa_apps.append(app)
 
     @app.post("/orders")
@@ -186,7 +168,7 @@ def test_a_view_that_replaced_its_session_never_stores_its_answer(
         db.session.flush()
         return {"created": True}, 201
 
-    _create_tables(app)
+    create_tables(app)
     client = app.test_client()
     first = client.post("/orders", headers={"Idempotency-Key": "replaced"})
     retry = client.post("/orders", headers={"Idempotency-Key": "replaced"})

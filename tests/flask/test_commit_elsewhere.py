@@ -13,12 +13,10 @@ import sqlalchemy as sa
 from flask import Flask
 from sqlalchemy.orm import Session
 
-from flask_idem import Idempotency
-from flask_idem.testing import empty_store
 from tests.support.drivers import (
     db_url_on_each_driver,  # noqa: F401 (the fixture, on each driver)
 )
-from tests.support.fsa_app import Order, application, db, notes
+from tests.support.fsa_app import Order, create_tables, db, notes, protected
 
 pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
 
@@ -80,12 +78,9 @@ def test_a_commit_on_another_connection_is_never_released(
             "SQLite's driver connections run in autocommit outside flask_idem's BEGIN: each "
             "statement commits with no commit() to count (a documented limit)"
         )
-    app = application(db_url, "commit-elsewhere")
+    app, idem = protected(db_url, "commit-elsewhere")
     fsa_apps.append(app)
-    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
-    empty_store(app.extensions["idempotency"].store)
-    with app.app_context():
-        db.create_all()
+    create_tables(app)
 
     @app.post("/pay")
     @idem.idempotent(release_before_contact=True)

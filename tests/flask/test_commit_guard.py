@@ -18,9 +18,9 @@ from flask import Flask
 from flask_idem import Idempotency
 from flask_idem.commits import ends_transaction
 from flask_idem.store import SQLStore
-from flask_idem.testing import empty_store
 from tests.support.commit_views import self_committing_app, three_tries
-from tests.support.fsa_app import Order, application, db, notes
+from tests.support.fsa_app import Order, db, notes, protected
+from tests.support.helpers import with_tables
 
 pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
 
@@ -42,9 +42,8 @@ COMMITS: dict[str, t.Callable[[sa.Connection], t.Any]] = {
 
 @pytest.fixture
 def tables(store: SQLStore) -> t.Iterator[SQLStore]:
-    ledger.metadata.create_all(store.engine)
-    yield store
-    ledger.metadata.drop_all(store.engine)
+    with with_tables(store, ledger):
+        yield store
 
 
 def _rows(store: SQLStore) -> int:
@@ -88,10 +87,8 @@ def test_a_commit_of_the_sessions_connection_is_refused(
     db_url: str, fsa_apps: list[Flask], mode: str, how: str
 ) -> None:
     """db.session's transaction is the session's to settle, as ``db.session.commit()``."""
-    app = application(db_url, f"fsa-self-commit-{mode}")
+    app, idem = protected(db_url, f"fsa-self-commit-{mode}")
     fsa_apps.append(app)
-    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
-    empty_store(app.extensions["idempotency"].store)
     options = {"atomic": True} if mode == "atomic" else {"release_before_contact": True}
 
     @app.post("/orders")
@@ -116,10 +113,8 @@ def test_an_atomic_views_commit_below_sqlalchemy_is_refused_before_it_publishes(
     """PostgreSQL writes an atomic record only with the answer, so such a commit would publish
     the rows alone, and a process killed right after it would leave no record for the retry:
     the store's connections refuse it before it happens."""
-    app = application(pg_url, "fsa-dbapi-commit")
+    app, idem = protected(pg_url, "fsa-dbapi-commit")
     fsa_apps.append(app)
-    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
-    empty_store(app.extensions["idempotency"].store)
 
     @app.post("/orders")
     @idem.idempotent(atomic=True)

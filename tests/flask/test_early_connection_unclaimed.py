@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from flask_idem import Idempotency
 from flask_idem.store import SQLStore
+from tests.support.helpers import with_tables
 
 ledger = sa.Table(
     "review_early_ledger",
@@ -28,9 +29,8 @@ UNCLAIMED = {
 
 @pytest.fixture
 def tables(store: SQLStore) -> t.Iterator[SQLStore]:
-    ledger.metadata.create_all(store.engine)
-    yield store
-    ledger.metadata.drop_all(store.engine)
+    with with_tables(store, ledger):
+        yield store
 
 
 @pytest.mark.parametrize("how", UNCLAIMED)

@@ -16,12 +16,12 @@ import sqlalchemy as sa
 from flask import Flask
 
 from flask_idem import Idempotency
-from flask_idem.store import SQLStore, create_store
-from flask_idem.testing import empty_store
+from flask_idem.store import SQLStore
 from tests.support.drivers import (
     db_url_on_each_driver,  # noqa: F401 (the fixture, on each driver)
 )
-from tests.support.fsa_app import Order, application, db, notes
+from tests.support.fsa_app import Order, create_tables, db, notes, protected
+from tests.support.helpers import store_on, with_tables
 
 pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
 
@@ -59,11 +59,8 @@ def _dbapi(connection: sa.Connection) -> t.Any:
 
 
 def _fsa_app(db_url: str, name: str) -> tuple[Flask, Idempotency]:
-    app = application(db_url, name)
-    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
-    empty_store(app.extensions["idempotency"].store)
-    with app.app_context():
-        db.create_all()
+    app, idem = protected(db_url, name)
+    create_tables(app)
     return app, idem
 
 
@@ -114,13 +111,8 @@ ledger = sa.Table(
 
 @pytest.fixture
 def store(db_url: str) -> t.Iterator[SQLStore]:
-    store = create_store(db_url)
-    empty_store(store)
-    ledger.metadata.create_all(store.engine)
-    yield store
-    ledger.metadata.drop_all(store.engine)
-    empty_store(store)
-    store.engine.dispose()
+    with store_on(db_url) as store, with_tables(store, ledger):
+        yield store
 
 
 def _paid(store: SQLStore, answer: int) -> int:

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from flask_idem import Idempotency, JobRefused, Scope
 from flask_idem.store import SQLStore
-from tests.support.helpers import Counter
+from tests.support.helpers import Counter, with_tables
 
 ledger = sa.Table(
     "refuse_job_ledger",
@@ -24,11 +24,10 @@ ledger = sa.Table(
 
 @pytest.fixture
 def app(store: SQLStore) -> t.Iterator[flask.Flask]:
-    ledger.metadata.create_all(store.engine)
-    app = flask.Flask("refuse-job")
-    app.extensions["test_idem"] = Idempotency(app, store=store)
-    yield app
-    ledger.metadata.drop_all(store.engine)
+    with with_tables(store, ledger):
+        app = flask.Flask("refuse-job")
+        app.extensions["test_idem"] = Idempotency(app, store=store)
+        yield app
 
 
 def _rows(store: SQLStore) -> list[str]:

@@ -25,7 +25,7 @@ from flask_idem.core.errors import (
 from flask_idem.core.idempotency_keys import InvalidKey
 from flask_idem.store import SQLStore
 from tests.flask.test_outcomes import FakeProvider
-from tests.support.helpers import Counter, shift
+from tests.support.helpers import Counter, shift, with_tables
 
 ENDPOINT = "JOB charge-order"
 orders = sa.Table(
@@ -38,12 +38,11 @@ orders = sa.Table(
 
 @pytest.fixture
 def app(store: SQLStore) -> t.Iterator[flask.Flask]:
-    orders.metadata.create_all(store.engine)
-    app = flask.Flask("jobs")
-    app.config.update(IDEMPOTENCY_LEASE=1)
-    app.extensions["test_idem"] = Idempotency(app, store=store)
-    yield app
-    orders.metadata.drop_all(store.engine)
+    with with_tables(store, orders):
+        app = flask.Flask("jobs")
+        app.config.update(IDEMPOTENCY_LEASE=1)
+        app.extensions["test_idem"] = Idempotency(app, store=store)
+        yield app
 
 
 def _idem(app: flask.Flask) -> Idempotency:
@@ -325,3 +324,27 @@ def test_a_message_without_a_key_is_refused_before_any_claim(
         charge_order(key)
     with store.engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar() == 0
+
+
+def test_a_job_claims_under_its_own_lease_else_the_applications(
+    app: flask.Flask, store: SQLStore
+) -> None:
+    """``lease=`` of a job (else ``IDEMPOTENCY_LEASE``, here 1 s) is what its claim holds."""
+    idem, held = _idem(app), []
+
+    @idem.job("charge-order", key="order_id", tenant="merchant", lease=120)
+    def charge_order(merchant: str, order_id: str) -> None:
+        record = _record(store, order_id)
+        assert record is not None
+        held.append(record.lease_remaining)
+
+    @idem.job("refund-order", key="order_id", tenant="merchant")
+    def refund_order(merchant: str, order_id: str) -> None:
+        record = store.get(Scope("alpha", "JOB refund-order", order_id))
+        assert record is not None
+        held.append(record.lease_remaining)
+
+    with app.app_context():
+        charge_order("alpha", "order-1")
+        refund_order("alpha", "order-1")
+    assert 100 < held[0] <= 120 and 0 < held[1] <= 1, held

@@ -17,7 +17,7 @@ from flask.views import MethodView
 from flask_idem import Idempotency, Scope, State, StoredResponse
 from flask_idem.store import SQLStore
 from tests.support.answers import post, problem_name
-from tests.support.helpers import Counter, shift
+from tests.support.helpers import Counter, shift, with_tables
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 ledger = sa.Table(
@@ -49,9 +49,8 @@ class FakeProvider:
 @pytest.fixture
 def business(store: SQLStore) -> t.Iterator[sa.Table]:
     """A business table in the store's database, for writes through ``idem.connection()``."""
-    ledger.metadata.create_all(store.engine)
-    yield ledger
-    ledger.metadata.drop_all(store.engine)
+    with with_tables(store, ledger):
+        yield ledger
 
 
 def _record(store: SQLStore, path: str, key: str = "k") -> t.Any:

@@ -16,14 +16,12 @@ from flask import Flask
 from flask_idem import Idempotency
 from flask_idem.store import create_store
 from flask_idem.testing import empty_store
-from tests.support.fsa_app import Order, application, db, discard
+from tests.support.fsa_app import Order, db, discard, protected
 
 
 @pytest.fixture
 def app(db_url: str) -> t.Iterator[tuple[Flask, list[int]]]:
-    app = application(db_url, "refuse-swallowed")
-    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
-    empty_store(app.extensions["idempotency"].store)
+    app, idem = protected(db_url, "refuse-swallowed")
     provider: list[int] = []
 
     def check_quota() -> None:

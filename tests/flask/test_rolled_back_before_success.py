@@ -19,6 +19,7 @@ from flask_idem import Idempotency, JobOutcomePending
 from flask_idem.core.record import Scope, State
 from flask_idem.store import SQLStore
 from tests.support.fsa_app import Order, application, db, discard, notes
+from tests.support.helpers import with_tables
 
 pytestmark = pytest.mark.usefixtures("sqlalchemy_path")
 
@@ -32,9 +33,8 @@ ledger = sa.Table(
 
 @pytest.fixture
 def ledger_store(store: SQLStore) -> t.Iterator[SQLStore]:
-    ledger.metadata.create_all(store.engine)
-    yield store
-    ledger.metadata.drop_all(store.engine)
+    with with_tables(store, ledger):
+        yield store
 
 
 def _ledger(store: SQLStore) -> list[str]:

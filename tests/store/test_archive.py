@@ -20,8 +20,8 @@ from flask_idem.core.record import Archive
 from flask_idem.ops.metrics import exposition
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore
-from flask_idem.testing import empty_store
 from tests.support.drivers import PG_DRIVERS, spelled_for
+from tests.support.helpers import store_on
 
 FP = hashlib.sha256(b"request").digest()
 DAY = 86400
@@ -40,13 +40,10 @@ def archive_url(fresh_pg_database: t.Callable[[], str]) -> str:
 def store(request: pytest.FixtureRequest, archive_url: str) -> t.Iterator[SQLStore]:
     """An empty store, through each driver, on a fresh migration's partitions (yesterday to
     7 days ahead) and no archive schema; archiving is left for each test to switch on."""
-    store = create_store(spelled_for(archive_url, request.param))
-    empty_store(store)
-    _sql(store, "DROP SCHEMA IF EXISTS idempotency_archive CASCADE")
-    _sql(store, "SELECT idempotency_create_partitions(7, false, 1)")
-    yield store
-    empty_store(store)
-    store.engine.dispose()
+    with store_on(spelled_for(archive_url, request.param)) as store:
+        _sql(store, "DROP SCHEMA IF EXISTS idempotency_archive CASCADE")
+        _sql(store, "SELECT idempotency_create_partitions(7, false, 1)")
+        yield store
 
 
 def _sql(store: SQLStore, statement: str, **params: t.Any) -> list[sa.Row[t.Any]]:

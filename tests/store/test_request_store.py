@@ -15,9 +15,9 @@ from flask_idem import ConfigurationError, Idempotency, RequestStore
 from flask_idem.core.record import Archive, ClaimResult, Record, Scope, StoredResponse
 from flask_idem.core.sealing import Sealer
 from flask_idem.ops.metrics import exposition
-from flask_idem.store import SQLStore, create_store
-from flask_idem.testing import empty_store
+from flask_idem.store import SQLStore
 from flask_idem.testing.contract import RequestStoreContract
+from tests.support.helpers import store_on
 
 
 class RequestOnly(RequestStore):
@@ -88,11 +88,8 @@ class RequestOnly(RequestStore):
 
 @pytest.fixture
 def request_only(db_url: str) -> t.Iterator[RequestOnly]:
-    inner = create_store(db_url)
-    empty_store(inner)
-    yield RequestOnly(inner)
-    empty_store(inner)
-    inner.engine.dispose()
+    with store_on(db_url) as inner:
+        yield RequestOnly(inner)
 
 
 class TestRequestOnlyStore(RequestStoreContract):

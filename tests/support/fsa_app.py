@@ -10,7 +10,9 @@ from flask import Flask
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from flask_idem import Idempotency
 from flask_idem.store import normalize_url
+from flask_idem.testing import empty_store
 
 
 class Base(DeclarativeBase):
@@ -38,6 +40,21 @@ def application(db_url: str, name: str, **config: t.Any) -> Flask:
     )
     db.init_app(app)
     return app
+
+
+def protected(db_url: str, name: str) -> tuple[Flask, Idempotency]:
+    """:func:`application` with flask_idem on it, ``db.session`` its business transaction
+    (``Idempotency(db=db)``, tenant ``alpha``), on an empty store."""
+    app = application(db_url, name)
+    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
+    empty_store(app.extensions["idempotency"].store)
+    return app, idem
+
+
+def create_tables(app: Flask) -> None:
+    """Create the app's tables (:class:`Order`)."""
+    with app.app_context():
+        db.create_all()
 
 
 def discard(app: Flask) -> None:

@@ -3,6 +3,7 @@ its view or job ends. No database: the phase alone decides what happens next."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import itertools
 import typing as t
@@ -192,6 +193,16 @@ def test_the_outcome_table_covers_every_found_record_neither_replayed_nor_taken_
     }
     assert set(Failure) <= set(OUTCOMES)
     assert isinstance(OUTCOMES[Found.RUNNING].http(), RequestInProgress)
+
+
+def test_a_takeovers_loser_is_answered_as_in_progress_by_a_job_and_claims_again_in_a_view() -> None:
+    overtaken, running = OUTCOMES[Found.OVERTAKEN], OUTCOMES[Found.RUNNING]
+    assert overtaken.claims_again and not running.claims_again
+    assert dataclasses.replace(overtaken, claims_again=False) == running
+    assert not any(OUTCOMES[row].claims_again for row in OUTCOMES if row is not Found.OVERTAKEN)
+    assert Found.OVERTAKEN not in {
+        classify(_record(state), b"fp", "reexecute", UNKEYED) for state in State
+    }
 
 
 def test_a_refusal_code_around_the_guard_went_on_from_no_longer_stands() -> None:

@@ -67,8 +67,8 @@ def rerun_not_contacted(monkeypatch: pytest.MonkeyPatch) -> None:
     next retry charged again under new downstream keys."""
     take_over = Attempt.take_over
 
-    def forgetful(self: Attempt, record: Record, lease: float) -> bool:
-        taken = take_over(self, record, lease)
+    def forgetful(self: Attempt, record: Record) -> bool:
+        taken = take_over(self, record)
         if taken:
             self.contacted = False
         return taken

@@ -335,7 +335,7 @@ class World:
         client.attempt = Attempt(self.harness.state, self.scope, options, endpoint=ENDPOINT)
         with self._context(client) as attempt:
             try:
-                record = attempt.claim(client.fingerprint, ttl=attempt.ttl, lease=LEASE)
+                record = attempt.claim(client.fingerprint)
             except StoreUnavailable:
                 return self._answer(client, 503, "", "(store unavailable)")
         if record is None:
@@ -359,7 +359,7 @@ class World:
         assert client.found is not None
         with self._context(client) as attempt:
             try:
-                taken = attempt.take_over(client.found, LEASE)
+                taken = attempt.take_over(client.found)
             except StoreUnavailable:
                 return self._answer(client, 503, "", "(store unavailable)")
         if not taken:
