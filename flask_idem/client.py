@@ -56,14 +56,12 @@ import typing as t
 import httpx
 
 from .core.idempotency_keys import KeyFormat, new_key
+from .core.wire import IN_PROGRESS, OUTCOME_PENDING, REPLAYED_HEADER
 
 RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 #: Statuses that answer the operation: every 2xx and 4xx (those the table above does not treat
 #: otherwise). An allow-list, so that a status nobody thought of never ends an operation.
 DEFINITIVE_STATUSES = frozenset(range(200, 300)) | frozenset(range(400, 500))
-REPLAYED_HEADER = "Idempotent-Replayed"
-IN_PROGRESS = "request-in-progress"
-PENDING = "outcome-pending"
 _DELAY_SECONDS = re.compile(r"[0-9]+", re.ASCII)
 
 
@@ -243,7 +241,10 @@ class _Operation:
                     response=response,
                 )
             problem = _problem_type(response) if status == 409 else ""
-            if status not in self.policy.retry_statuses and problem not in (IN_PROGRESS, PENDING):
+            if status not in self.policy.retry_statuses and problem not in (
+                IN_PROGRESS,
+                OUTCOME_PENDING,
+            ):
                 if status in self.policy.definitive_statuses:
                     return None
                 raise IndefiniteAnswer(
@@ -261,7 +262,7 @@ class _Operation:
                 delay = retry_after
         elapsed = self.clock() - self.started
         if self.attempts >= self.policy.max_attempts or elapsed + delay > self.policy.total_timeout:
-            pending = response is not None and _problem_type(response) == PENDING
+            pending = response is not None and _problem_type(response) == OUTCOME_PENDING
             raise (OutcomePending if pending else RetriesExhausted)(
                 f"no final answer after {self.attempts} attempts; retry later with the same key",
                 key=self.key,

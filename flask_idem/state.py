@@ -14,7 +14,7 @@ import typing as t
 
 from flask import current_app, g
 
-from .core.config import Settings
+from .core.config import EXTENSION_NAME, Settings
 from .lease import LeaseKeeper
 from .store import RequestStore
 
@@ -23,7 +23,6 @@ if t.TYPE_CHECKING:
     from .web.extension import Idempotency
     from .web.key_limit import KeyLimiter
 
-EXTENSION_NAME = "idempotency"
 #: ``flask.g`` attribute holding the context's :class:`~flask_idem.attempt.Attempt`.
 ATTEMPT_SLOT = "_flask_idem"
 #: ``session.info`` key of the attempt whose business transaction a session carries.

@@ -356,6 +356,9 @@ def keys() -> t.Iterator[tuple[str, str, ConfigKey]]:
         yield field.name, PREFIX + field.name.upper(), field.metadata[_METADATA]
 
 
+#: The extension's key in ``app.extensions`` (its :class:`~flask_idem.state.AppState`).
+EXTENSION_NAME = "idempotency"
+
 #: Config key -> default. docs/configuration.md documents each of them (a test checks it).
 DEFAULTS: dict[str, t.Any] = {name: key.default for _, name, key in keys()}
 

@@ -14,7 +14,8 @@ from flask import current_app, has_app_context, has_request_context, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response
 
-from .config import DEFAULTS
+from . import wire
+from .config import DEFAULTS, EXTENSION_NAME
 
 MEDIA_TYPE = "application/problem+json"
 
@@ -83,7 +84,7 @@ def problem_type(name: str) -> str:
     """The absolute ``type`` URI of a problem name under the application's base URI."""
     base = DEFAULTS["IDEMPOTENCY_PROBLEM_BASE"]
     if has_app_context():
-        state = current_app.extensions.get("idempotency")
+        state = current_app.extensions.get(EXTENSION_NAME)
         if state is not None:
             base = state.settings.problem_base
     return f"{base}{name}"
@@ -106,7 +107,7 @@ class KeyInvalid(Problem):
 
 
 class RequestInProgress(Problem):
-    problem = "request-in-progress"
+    problem = wire.IN_PROGRESS
     code = 409
     title = "Request in progress"
 
@@ -134,7 +135,7 @@ class OutcomePending(Problem):
     when to ask again (with the same key), by default the cadence of the documented
     ``flask idem reconcile`` cron, which settles the record."""
 
-    problem = "outcome-pending"
+    problem = wire.OUTCOME_PENDING
     code = 409
     title = "Outcome pending"
 

@@ -38,8 +38,9 @@ from alembic.util import CommandError
 from flask import current_app, has_app_context
 from flask.cli import AppGroup
 
+from ..core.config import EXTENSION_NAME
 from ..sessions import EXTENSION_KEY as FLASK_SQLALCHEMY
-from ..state import EXTENSION_NAME, AppState
+from ..state import AppState
 from ..store import normalize_url
 from ..store.table import TABLE_NAME, VERSION_TABLE, metadata
 

@@ -31,12 +31,11 @@ from flask import Flask
 
 from ..attempt import Attempt
 from ..core import __version__, signals
-from ..core.config import Settings
+from ..core.config import EXTENSION_NAME, Settings
 from ..core.errors import ConfigurationError
 from ..core.idempotency_keys import key_hash
 from ..core.options import JobOptions
 from ..core.scopes import split
-from ..state import EXTENSION_NAME
 from . import counting
 from .counting import AT_CLAIM, CLAIM_BUCKETS, DESCRIPTIONS, VIEW_BUCKETS, Recorder
 

@@ -26,7 +26,9 @@ import sqlalchemy as sa
 from flask import Flask
 
 from ..core import signals
+from ..core.config import DEFAULTS
 from ..core.record import Scope
+from ..core.wire import REPLAYED_HEADER
 from ..ops.migrate import upgrade
 from ..store import RequestStore, SQLStore, create_store
 from ..store.table import AUDIT_TABLE_NAME, TABLE_NAME
@@ -146,7 +148,7 @@ def assert_ran_once(
     method: str = "POST",
     key: str | None = None,
     times: int = 3,
-    header: str = "Idempotency-Key",
+    header: str | None = None,
     **request: t.Any,
 ) -> list[TestResponse]:
     """Send one request ``times`` times with one key; assert that the view ran once and that
@@ -158,6 +160,7 @@ def assert_ran_once(
         assert responses[0].status_code == 201
 
     :param key: the idempotency key (default: a new random one).
+    :param header: the header that carries it (default: the app's ``IDEMPOTENCY_HEADER``).
     :param request: more arguments of :meth:`client.open <werkzeug.test.Client.open>`
         (``json=``, ``headers=``...).
     :returns: the responses, the first one first.
@@ -166,6 +169,7 @@ def assert_ran_once(
         raise ValueError("a retry needs at least two requests")
     app = client.application
     key = key or f"test-{secrets.token_hex(8)}"
+    header = header or app.config.get("IDEMPOTENCY_HEADER", DEFAULTS["IDEMPOTENCY_HEADER"])
     headers = {**dict(request.pop("headers", {}) or {}), header: key}
     with count_runs(app) as runs:
         responses = [
@@ -176,9 +180,9 @@ def assert_ran_once(
         f"the view ran protected {runs.count} times for {times} requests, not once"
         + (" (is it protected? an unprotected view never claims)" if not runs.count else "")
     )
-    assert "Idempotent-Replayed" not in first.headers, "the first request was a replay"
+    assert REPLAYED_HEADER not in first.headers, "the first request was a replay"
     for number, retry in enumerate(retries, start=2):
-        assert retry.headers.get("Idempotent-Replayed") == "true", (
+        assert retry.headers.get(REPLAYED_HEADER) == "true", (
             f"request {number} was not replayed (status {retry.status_code})"
         )
         assert retry.status_code == first.status_code, (

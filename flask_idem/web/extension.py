@@ -31,7 +31,7 @@ from .. import jobs
 from ..attempt import Attempt
 from ..commits import guard_commits
 from ..core.body import read_body
-from ..core.config import Settings
+from ..core.config import EXTENSION_NAME, Settings
 from ..core.errors import ConfigurationError, JobRefused, StoreUnavailable
 from ..core.idempotency_keys import derive_key
 from ..core.key_digest import KeyDigest
@@ -49,7 +49,7 @@ from ..core.sealing import Sealer
 from ..lease import LeaseKeeper
 from ..sessions import EXTENSION_KEY as SQLALCHEMY_EXTENSION
 from ..sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
-from ..state import EXTENSION_NAME, AppState
+from ..state import AppState
 from ..store import RequestStore, Store, create_store, operator_store
 from . import flow, guard
 from .key_limit import KeyLimiter

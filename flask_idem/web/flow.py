@@ -113,18 +113,13 @@ from ..core.problem import (
 from ..core.record import Record, Scope, StoredResponse
 from ..core.scopes import PrincipalInvalid, account_fingerprint, namespace, resolve_principal
 from ..core.snapshot import response_snapshot
+from ..core.wire import REPLAYED_HEADER, RETENTION_HEADER, STORED_HEADER
 from ..sessions import has_unmanaged_writes
 from ..state import AppState
 from ..store import redacted, translate_errors
 from .key_limit import KeyLimit
 
 _WAIT_STEP = 0.05
-#: On every replay: ``true``.
-REPLAYED_HEADER = "Idempotent-Replayed"
-#: On an answer of a request that held the key: ``false`` when no retry will get it back.
-STORED_HEADER = "Idempotent-Stored"
-#: On a stored first answer and on replays: whole seconds the key still replays the answer.
-RETENTION_HEADER = "Idempotency-Retention"
 
 log = logging.getLogger("flask_idem")
 

@@ -95,6 +95,25 @@ def test_idem_store_fixture_is_migrated_and_empty(idem_store: SQLStore) -> None:
     assert counter.calls == 1
 
 
+def test_assert_ran_once_sends_the_apps_header(idem_store: SQLStore) -> None:
+    """Without ``header=``, the key goes in the app's ``IDEMPOTENCY_HEADER``: in the default
+    header an app configured otherwise would answer 400 key-missing."""
+    app = Flask(__name__)
+    app.config["IDEMPOTENCY_HEADER"] = "X-Request-Key"
+    app.config["IDEMPOTENCY_HEADER_ALIASES"] = ()
+    idem = Idempotency(app, store=idem_store, tenant=lambda: "alpha")
+    counter = Counter()
+
+    @app.post("/orders")
+    @idem.idempotent
+    def create_order() -> t.Any:
+        return {"order": counter.bump()}, 201
+
+    responses = assert_ran_once(app.test_client(), "/orders", json={"total": 5})
+    assert [r.status_code for r in responses] == [201] * 3
+    assert counter.calls == 1
+
+
 def test_assert_ran_once_fails_when_the_view_runs_again(app_factory: AppFactory) -> None:
     app, _, counter = app_factory()
     client = app.test_client()
