@@ -74,7 +74,8 @@ def guard(view: t.Callable[P, R], options: ViewOptions | None = None) -> t.Calla
     """Wrap a view so that protected requests claim when it is called.
 
     With ``options`` (``@idem.idempotent``) the guard claims with them. Without, it is the
-    outer guard ``init_app`` puts around a protected endpoint's whole view function: it claims
+    outer guard :func:`outer_guard` (a ``before_request`` hook ``init_app`` registers) puts
+    around a protected endpoint's whole view function on its first request: it claims
     with the blueprint's or the app's options, or, when the view holds a guard of its own
     deeper down, leaves the claim to that one (after the decorators above it) and only watches
     for exceptions raised around it.
