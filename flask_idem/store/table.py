@@ -110,7 +110,6 @@ idempotency_keys = sa.Table(
 )
 
 AUDIT_TABLE_NAME = "idempotency_audit"
-AUDIT_DEFAULT_PARTITION = f"{AUDIT_TABLE_NAME}_default"
 
 #: The append-only audit trail (``IDEMPOTENCY_AUDIT``, migration 0005): one row per state
 #: transition of a record, written in the same statement or transaction as the transition.
