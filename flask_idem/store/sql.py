@@ -1,8 +1,12 @@
 """SQLAlchemy Core implementation of the primitives both dialects share.
 
-Dialects differ in three places only: how a primitive gets its connection (autocommit on
-PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), how "now" is spelled (always the database clock,
-never the application's), and the claim and maintenance, which live in the dialect modules.
+Dialects differ only where :class:`SQLStore`'s abstract methods say: how a primitive gets its
+connection (autocommit on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), how "now" is spelled
+(always the database clock, never the application's), how the TTL counted from a request's end
+is compared (``ttl_after_end``), how a row's key hash is computed (``scope_hash``: SQL on
+PostgreSQL, a Python function registered on SQLite), how a write appends its audit rows
+(``_audited``: one statement on PostgreSQL, a second one in the same transaction on SQLite),
+and the claim and maintenance, which live in the dialect modules.
 """
 
 from __future__ import annotations
