@@ -14,7 +14,7 @@ from flask_idem import Idempotency
 from flask_idem.store import SQLStore
 
 ledger = sa.Table(
-    "review_early_ledger",
+    "early_connection_ledger",
     sa.MetaData(),
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("note", sa.String(64)),
