@@ -17,13 +17,13 @@ from ..downstream import AuditReport, Discrepancy, DownstreamRecord, Finding, au
 from ..reconcile import Action, Settlement, reconcile
 from .common import (
     PROGRESS_AFTER,
-    _age,
-    _plural,
-    _print_json,
-    _store_errors,
-    _table,
+    age_of,
+    format_table,
     idem_group,
     json_option,
+    plural,
+    print_json,
+    store_errors,
 )
 
 
@@ -36,7 +36,7 @@ from .common import (
     help="Stuck records to reconcile in this run, oldest first.",
 )
 @json_option
-@_store_errors
+@store_errors
 def reconcile_command(limit: int, as_json: bool) -> None:
     """Settle stuck records with the registered reconcilers.
 
@@ -55,7 +55,7 @@ def reconcile_command(limit: int, as_json: bool) -> None:
     for settlement in settlements:
         counts[settlement.action] += 1
     if as_json:
-        _print_json(
+        print_json(
             {
                 **{action.value: count for action, count in counts.items()},
                 "records": [_settlement_json(settlement) for settlement in settlements],
@@ -82,7 +82,7 @@ def reconcile_command(limit: int, as_json: bool) -> None:
     help="Seconds read beyond the day on both sides, to match operations across midnight.",
 )
 @json_option
-@_store_errors
+@store_errors
 def audit_downstream(day: dt.datetime | None, margin: float, as_json: bool) -> None:
     """Compare a day of records with what downstream services recorded.
 
@@ -103,7 +103,7 @@ def audit_downstream(day: dt.datetime | None, margin: float, as_json: bool) -> N
         )
     report = audit(start, start + dt.timedelta(days=1), margin=margin)
     if as_json:
-        _print_json(_audit_json(report))
+        print_json(_audit_json(report))
     else:
         click.echo(_audit_text(report))
     if report.discrepancies:
@@ -148,8 +148,8 @@ _FINDING_TEXT = {
 
 def _audit_text(report: AuditReport) -> str:
     summary = (
-        f"audited {report.start:%Y-%m-%d}: {_plural(report.records, 'record')}, "
-        f"{_plural(report.operations, 'downstream operation')}; "
+        f"audited {report.start:%Y-%m-%d}: {plural(report.records, 'record')}, "
+        f"{plural(report.operations, 'downstream operation')}; "
         f"{report.count(Finding.UNMATCHED)} unmatched, "
         f"{report.count(Finding.DUPLICATE)} duplicate, "
         f"{report.count(Finding.UNKNOWN)} unknown but done"
@@ -167,7 +167,7 @@ def _audit_text(report: AuditReport) -> str:
         ]
         for found in report.discrepancies
     ]
-    table = _table(["FINDING", "OPERATIONS", "TENANT", "ENDPOINT", "KEY HASH", "WHAT"], rows)
+    table = format_table(["FINDING", "OPERATIONS", "TENANT", "ENDPOINT", "KEY HASH", "WHAT"], rows)
     return f"{summary}\n\n{table}"
 
 
@@ -178,7 +178,7 @@ def _settlement_json(settlement: Settlement) -> dict[str, t.Any]:
 
 def _reconcile_text(settlements: list[Settlement], counts: dict[Action, int]) -> str:
     summary = (
-        f"reconciled {_plural(len(settlements), 'stuck record')}: "
+        f"reconciled {plural(len(settlements), 'stuck record')}: "
         f"{counts[Action.COMPLETED]} completed, {counts[Action.REOPENED]} reopened, "
         f"{counts[Action.UNKNOWN]} still unknown"
     )
@@ -189,7 +189,7 @@ def _reconcile_text(settlements: list[Settlement], counts: dict[Action, int]) ->
         return summary
     rows = [
         [
-            _age(s.record),
+            age_of(s.record),
             s.record.scope.tenant,
             s.record.scope.endpoint,
             key_hash(s.record.scope),
@@ -197,5 +197,5 @@ def _reconcile_text(settlements: list[Settlement], counts: dict[Action, int]) ->
         ]
         for s in unknown
     ]
-    table = _table(["AGE", "TENANT", "ENDPOINT", "KEY HASH", "WHY"], rows)
+    table = format_table(["AGE", "TENANT", "ENDPOINT", "KEY HASH", "WHY"], rows)
     return f"{summary}\n\nstill unknown:\n{table}"
