@@ -13,7 +13,13 @@ from ...core.idempotency_keys import key_hash
 from ...core.serialization import record_schema
 from ...state import AppState
 from ...store import operator_store
-from ..downstream import AuditReport, Discrepancy, DownstreamRecord, Finding, audit
+from ..downstream import (
+    Discrepancy,
+    DiscrepancyKind,
+    DownstreamRecord,
+    DownstreamReport,
+    check_downstream,
+)
 from ..reconcile import Action, Settlement, reconcile
 from .common import (
     PROGRESS_AFTER,
@@ -101,16 +107,16 @@ def audit_downstream(day: dt.datetime | None, margin: float, as_json: bool) -> N
             "so their operations would be reported as unmatched",
             err=True,
         )
-    report = audit(start, start + dt.timedelta(days=1), margin=margin)
+    report = check_downstream(start, start + dt.timedelta(days=1), margin=margin)
     if as_json:
-        print_json(_audit_json(report))
+        print_json(_report_json(report))
     else:
-        click.echo(_audit_text(report))
+        click.echo(_report_text(report))
     if report.discrepancies:
         click.get_current_context().exit(1)
 
 
-def _audit_json(report: AuditReport) -> dict[str, t.Any]:
+def _report_json(report: DownstreamReport) -> dict[str, t.Any]:
     def operation(op: DownstreamRecord) -> dict[str, t.Any]:
         return {
             "id": op.id,
@@ -134,25 +140,25 @@ def _audit_json(report: AuditReport) -> dict[str, t.Any]:
         "end": report.end.isoformat(),
         "records": report.records,
         "operations": report.operations,
-        **{finding.value: report.count(finding) for finding in Finding},
+        **{finding.value: report.count(finding) for finding in DiscrepancyKind},
         "discrepancies": [discrepancy(found) for found in report.discrepancies],
     }
 
 
 _FINDING_TEXT = {
-    Finding.UNMATCHED: "no record derives its downstream key (made behind the extension)",
-    Finding.DUPLICATE: "one record, more than one downstream operation",
-    Finding.UNKNOWN: "the record is unknown but the service shows it done: reconcile it",
+    DiscrepancyKind.UNMATCHED: "no record derives its downstream key (made behind the extension)",
+    DiscrepancyKind.DUPLICATE: "one record, more than one downstream operation",
+    DiscrepancyKind.UNKNOWN: "the record is unknown but the service shows it done: reconcile it",
 }
 
 
-def _audit_text(report: AuditReport) -> str:
+def _report_text(report: DownstreamReport) -> str:
     summary = (
         f"audited {report.start:%Y-%m-%d}: {plural(report.records, 'record')}, "
         f"{plural(report.operations, 'downstream operation')}; "
-        f"{report.count(Finding.UNMATCHED)} unmatched, "
-        f"{report.count(Finding.DUPLICATE)} duplicate, "
-        f"{report.count(Finding.UNKNOWN)} unknown but done"
+        f"{report.count(DiscrepancyKind.UNMATCHED)} unmatched, "
+        f"{report.count(DiscrepancyKind.DUPLICATE)} duplicate, "
+        f"{report.count(DiscrepancyKind.UNKNOWN)} unknown but done"
     )
     if not report.discrepancies:
         return summary
