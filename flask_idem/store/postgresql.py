@@ -86,9 +86,9 @@ from . import commit_count, engines, fast_path
 from .sql import (
     AUDIT_COLUMNS,
     HEADERS_TYPE,
-    Outcome,
     Precompiled,
     SQLStore,
+    StatementResult,
     build_record,
     new_token,
     record_from_row,
@@ -563,10 +563,10 @@ class PostgresStore(SQLStore):
             **self._completion(scope, response, record.created_at),
         }
         event = "unstored" if response is None else "completed"
-        outcome = self._write(
+        result = self._write(
             self._insert_completed_statement, parameters, connection, scope=scope, event=event
         )
-        return outcome.rowcount == 1
+        return result.rowcount == 1
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         # Rows land in DEFAULT only when upkeep fell behind; expire them row by row, in
@@ -704,7 +704,7 @@ class PostgresStore(SQLStore):
         statement: sa.UpdateBase,
         parameters: dict[str, t.Any],
         deleted: bool,
-    ) -> Outcome:
+    ) -> StatementResult:
         # WITH changed AS (<write> RETURNING ...), logged AS (INSERT INTO idempotency_audit
         # SELECT ... FROM changed) SELECT * FROM changed: one statement, one round trip.
         changed = statement.cte("changed")
@@ -724,7 +724,7 @@ class PostgresStore(SQLStore):
         ).select_from(changed)
         logged = audit_table.insert().from_select(list(AUDIT_COLUMNS), rows).cte("logged")
         found = list(conn.execute(sa.select(changed).add_cte(logged), parameters).all())
-        return Outcome(found, len(found))
+        return StatementResult(found, len(found))
 
     def partitions_ahead(self) -> int | None:
         with translate_errors(), self.engine.connect() as conn:
