@@ -85,7 +85,6 @@ from ..core.record import (
 from . import commit_count, engines, fast_path
 from .sql import (
     AUDIT_COLUMNS,
-    HEADERS_TYPE,
     Precompiled,
     SQLStore,
     StatementResult,
@@ -535,7 +534,7 @@ class PostgresStore(SQLStore):
             "state": sa.bindparam("p_state", type_=table.c.state.type),
             "claim_token": token,
             "response_status": sa.bindparam("p_status", type_=table.c.response_status.type),
-            "response_headers": sa.bindparam("p_headers", type_=HEADERS_TYPE),
+            "response_headers": sa.bindparam("p_headers", type_=table.c.response_headers.type),
             "response_body": sa.bindparam("p_body", type_=table.c.response_body.type),
             "created_at": sa.bindparam("p_created_at", type_=timestamp),
             "completed_at": self.now(),

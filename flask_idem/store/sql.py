@@ -21,7 +21,6 @@ import secrets
 import typing as t
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 
 from ..core.errors import SchemaMissing, StoreUnavailable, UnreadableResponse
 from ..core.idempotency_keys import key_hash
@@ -66,11 +65,6 @@ AUDIT_COLUMNS: tuple[str, ...] = (
     "detail",
 )
 
-#: ``response_headers`` as written: None is SQL NULL (the mark of a sealed envelope), never
-#: the JSON ``null`` SQLAlchemy writes by default, so that SQL can tell the layouts apart.
-HEADERS_TYPE = sa.JSON(none_as_null=True).with_variant(
-    postgresql.JSONB(none_as_null=True), "postgresql"
-)
 #: Reads every layout (plain, compressed, encrypted with a configured key).
 _READER = Sealer()
 
@@ -319,7 +313,7 @@ class SQLStore(Store):
             .values(
                 state=sa.bindparam("p_state"),
                 response_status=sa.bindparam("p_status"),
-                response_headers=sa.bindparam("p_headers", type_=HEADERS_TYPE),
+                response_headers=sa.bindparam("p_headers", type_=table.c.response_headers.type),
                 response_body=sa.bindparam("p_body", type_=table.c.response_body.type),
                 completed_at=self.now(),
                 lease_expires_at=None,

@@ -13,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Scope, State, StoredResponse, StoreUnavailable, create_store
+from flask_idem.core.sealing import Sealer
 from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing.contract import FP, RESPONSE, StoreContract
 from tests.support.drivers import db_url_on_each_driver  # noqa: F401 (the store contract on both drivers)
@@ -61,6 +62,51 @@ def test_a_value_the_completion_cannot_bind_fails_closed(store: SQLStore, scope:
         store.complete(scope, token, unencodable)
     assert store.get(scope).state is State.IN_PROGRESS  # type: ignore[union-attr]
     assert store.complete(scope, token, RESPONSE)
+
+
+def _headers_are_sql_null(store: SQLStore, scope: Scope) -> bool:
+    """Whether the scope's record has SQL NULL in ``response_headers`` (JSON ``null`` is not:
+    it is text on SQLite and a jsonb value on PostgreSQL)."""
+    with store.engine.connect() as conn:
+        return bool(
+            conn.execute(
+                sa.text(
+                    "SELECT response_headers IS NULL FROM idempotency_keys "
+                    "WHERE tenant = :tenant AND endpoint = :endpoint AND key = :key"
+                ),
+                {
+                    "tenant": scope.tenant,
+                    "endpoint": scope.endpoint,
+                    "key": store.keys.stored(scope.tenant, scope.key),
+                },
+            ).scalar_one()
+        )
+
+
+def test_a_sealed_snapshot_has_sql_null_headers(store: SQLStore, scope: Scope) -> None:
+    """SQL tells a sealed envelope from a plain snapshot by SQL NULL in ``response_headers``
+    (``flask idem keys`` counts by it), never JSON ``null``: through the
+    completion on each dialect, and the atomic mode's completed insert on PostgreSQL."""
+    store.use_sealer(Sealer(compress_min=64))
+    sealed = StoredResponse(201, (("Content-Type", "application/json"),), b"0" * 4096)
+    token = store.claim(scope, FP, ttl=60, lease=30).token
+    assert store.complete(scope, token, sealed)
+    assert _headers_are_sql_null(store, scope)
+    plain = Scope(scope.tenant, scope.endpoint, scope.key + "-plain")
+    assert store.complete(plain, store.claim(plain, FP, ttl=60, lease=30).token, RESPONSE)
+    assert not _headers_are_sql_null(store, plain)
+    if store.dialect == "postgresql":
+        atomic = Scope(scope.tenant, scope.endpoint, scope.key + "-atomic")
+        with store.engine.connect() as conn:
+            conn.begin()
+            claimed = store.claim_atomic(conn, atomic, FP, ttl=60)
+            assert claimed is not None and claimed.reservation is not None
+            assert claimed.reservation.complete(sealed)
+            conn.commit()
+        assert _headers_are_sql_null(store, atomic)
+    for each in (scope, plain):
+        record = store.get(each)
+        assert record is not None and record.response == (sealed if each is scope else RESPONSE)
 
 
 def test_missing_schema_raises_store_unavailable(tmp_path: object, scope: Scope) -> None:
