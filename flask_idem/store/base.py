@@ -154,9 +154,13 @@ class RequestStore(abc.ABC):
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         """Take the key for the caller, or return the live record that already holds it.
 
-        ``fingerprint`` is the request's SHA-256 fingerprint; a SQL store keeps it keyed with
-        :attr:`keys` (:meth:`~flask_idem.core.key_digest.KeyDigest.fingerprint`) and its key
-        as a digest, and the records it returns carry the digest (``scope.digest``).
+        ``fingerprint`` is the request's SHA-256 fingerprint. A store must keep neither it nor
+        the key as given: it keeps the key as :attr:`keys` digests it (``keys.stored``: keyed
+        with the current secret of ``IDEMPOTENCY_KEY_SECRETS``; a claim looks up every form
+        of ``keys.candidates``) and the fingerprint keyed the same way (``keys.fingerprint``,
+        see :class:`~flask_idem.core.key_digest.KeyDigest`); the records it returns carry the
+        digest (``scope.digest``) and the stored fingerprint. The contract
+        (:mod:`flask_idem.testing.contract`) reads the store's tables to check it.
 
         :param ttl: seconds the record (and so the key) stays live.
         :param lease: seconds before an owner that stopped renewing counts as gone.
@@ -189,6 +193,12 @@ class RequestStore(abc.ABC):
         created_at: dt.datetime | None = None,
     ) -> bool:
         """Store the response snapshot; ``None`` marks the key used but not replayable.
+
+        A store must keep the snapshot as :attr:`sealer` seals it
+        (:meth:`~flask_idem.core.sealing.Sealer.seal`, bound to the record's ``created_at``):
+        with ``IDEMPOTENCY_ENCRYPTION_KEYS`` neither its body nor its headers are kept in
+        clear, and :meth:`get` and the claims open it with the same sealer (which refuses one
+        stored unencrypted under ``IDEMPOTENCY_REQUIRE_ENCRYPTED``).
 
         :param connection: run inside the caller's open transaction, so that the business
             writes and the stored response commit together.

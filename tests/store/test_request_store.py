@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import ConfigurationError, Idempotency, RequestStore
+from flask_idem.core.key_digest import KeyDigest
 from flask_idem.core.record import Archive, ClaimResult, Record, Scope, StoredResponse
 from flask_idem.core.sealing import Sealer
 from flask_idem.ops.metrics import exposition
@@ -41,6 +42,10 @@ class RequestOnly(RequestStore):
     def use_sealer(self, sealer: Sealer) -> None:
         super().use_sealer(sealer)
         self.inner.use_sealer(sealer)
+
+    def use_keys(self, keys: KeyDigest) -> None:
+        super().use_keys(keys)
+        self.inner.use_keys(keys)
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         return self.inner.claim(scope, fingerprint, ttl=ttl, lease=lease)
