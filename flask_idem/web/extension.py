@@ -51,7 +51,7 @@ from ..ops.cli import idem_group
 from ..sessions import EXTENSION_KEY as SQLALCHEMY_EXTENSION
 from ..sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
 from ..state import EXTENSION_NAME, AppState
-from ..store import RequestStore, Store, create_store, operator_store
+from ..store import OperatorStore, RequestStore, Store, create_store, operator_store
 from . import flow, guard
 from .inspection import create_blueprint
 from .key_limit import KeyLimiter
@@ -149,7 +149,8 @@ class Idempotency:
         store.use_sealer(Sealer.from_settings(settings))
         store.use_keys(KeyDigest.from_secrets(settings.key_secrets))
         store.use_audit(settings.audit, settings.audit_retention)
-        store.use_archive(settings.archive)
+        if isinstance(store, OperatorStore):
+            store.use_archive(settings.archive)  # only maintenance reads it
         store.use_fast_path(settings.sqlalchemy_fast_path)
         guard_commits(store.engine, fast=store.fast_path)
         if settings.ensure_partitions and settings.enabled:

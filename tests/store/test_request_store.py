@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 from flask_idem import ConfigurationError, Idempotency, RequestStore
 from flask_idem.core.key_digest import KeyDigest
-from flask_idem.core.record import Archive, ClaimResult, Record, Scope, StoredResponse
+from flask_idem.core.record import ClaimResult, Record, Scope, StoredResponse
 from flask_idem.core.sealing import Sealer
 from flask_idem.ops.metrics import exposition
 from flask_idem.store import SQLStore, create_store
@@ -25,8 +25,6 @@ class RequestOnly(RequestStore):
     """flask_idem's SQL store seen through the request primitives alone, as a custom store
     that implements nothing more would be."""
 
-    dialect = "sqlite"
-
     def __init__(self, inner: SQLStore) -> None:
         super().__init__(inner.engine)
         self.inner = inner
@@ -34,10 +32,6 @@ class RequestOnly(RequestStore):
     def use_audit(self, enabled: bool, retention: float | None = None) -> None:
         super().use_audit(enabled, retention)
         self.inner.use_audit(enabled, retention)
-
-    def use_archive(self, archive: Archive | None) -> None:
-        super().use_archive(archive)
-        self.inner.use_archive(archive)
 
     def use_sealer(self, sealer: Sealer) -> None:
         super().use_sealer(sealer)
