@@ -57,7 +57,7 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# The A/B bench of issue 6: bare vs protected app under gunicorn on a durable throwaway PostgreSQL
+# The A/B bench: the same endpoint bare and behind flask_idem under gunicorn on a durable throwaway PostgreSQL
 # (or DATABASE_URL); prints the table and writes bench/results/*.json. BENCH_MODE=growth fills the
 # table to 1, 5 and 10 million records instead; BENCH_MODE=sealing measures compression and
 # encryption of stored responses, on and off; BENCH_MODE=trail the audit trail on and off; BENCH_ARGS passes options (python -m bench -h).

@@ -31,7 +31,7 @@ METRICS = (
     "client_cpu_ms",
     "server_cpu_ms",
 )
-#: The concurrency the targets of issue 12 are stated at.
+#: The concurrency the performance targets (docs/performance.md) are stated at.
 TARGET_CONCURRENCY = 8
 #: A run that lost more than this share of the machine's CPU to the hypervisor is counted.
 STEAL_NOTICE = 0.10
@@ -153,9 +153,9 @@ def _find(rows: list[dict[str, t.Any]], scenario: str, app: str) -> dict[str, t.
 
 
 def check_targets(document: Document, rows: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
-    """The targets of issue 12, item 4 (medians at concurrency 8, ratios to bare in the same
-    run), each with its measured value and whether it holds; None where the run could not
-    measure it (an app missing from the run is left out)."""
+    """The performance targets of docs/performance.md (medians at concurrency 8, ratios to
+    bare in the same run), each with its measured value and whether it holds; None where the
+    run could not measure it (an app missing from the run is left out)."""
     apps = {row["app"] for row in rows}
     targets: list[dict[str, t.Any]] = []
 

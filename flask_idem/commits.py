@@ -78,7 +78,7 @@ def guard_commits(engine: sa.Engine, *, fast: bool = True) -> None:
     SQLAlchemy's public events (:func:`_listen`), at the cost of SQLAlchemy dispatching
     events around every statement of the engine.
     """
-    commit_count.open_counting(engine)
+    fast_path.open_counting(engine)
     if fast:
         fast_path.wrap_dialect(engine, _GUARD)
     else:

@@ -44,7 +44,7 @@ class Trace(t.Protocol):
 
 
 class SessionSource(t.Protocol):
-    """Where the business sessions come from (see :mod:`flask_idem.sqlalchemy`)."""
+    """Where the business sessions come from (see :mod:`flask_idem.sessions`)."""
 
     @property
     def scoped(self) -> t.Any:

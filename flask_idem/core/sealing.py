@@ -229,10 +229,6 @@ class Sealer:
     def encrypting(self) -> bool:
         return bool(self.keys)
 
-    @property
-    def key_ids(self) -> tuple[str, ...]:
-        return tuple(key.id for key in self.keys)
-
     @functools.cached_property
     def _ciphers(self) -> dict[str, t.Any]:
         aesgcm = _cipher_class()

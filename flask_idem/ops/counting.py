@@ -15,6 +15,7 @@ from blinker import NamedSignal
 from flask import Flask
 
 from ..core import signals
+from ..core.errors import ConfigurationError
 from ..events import event_name
 
 #: Seconds; claims take milliseconds, views up to the lease.
@@ -134,3 +135,35 @@ def subscribe(app: Flask, receive: t.Callable[..., None]) -> None:
             receive(_signal, **event)
 
         signal.connect(receiver, app, weak=False)
+
+
+_I = t.TypeVar("_I")
+
+
+class PerProcess(t.Generic[_I]):
+    """A backend's default instruments: made once per process, on first use (a second set
+    would be duplicate instruments on the default registry or the global providers), so every
+    application of the process must agree on ``IDEMPOTENCY_METRICS_TENANT_LABEL``.
+
+    :param make: builds the instruments, given whether they carry a ``tenant`` label.
+    :param own: how an application gets instruments of its own instead (for the error).
+    """
+
+    def __init__(self, make: t.Callable[[bool], _I], own: str) -> None:
+        self._make = make
+        self._own = own
+        self._made: dict[bool, _I] = {}
+
+    def get(self, tenant_label: bool) -> _I:
+        """The instruments, made now if this is the first call of the process.
+
+        :raises ConfigurationError: an earlier application asked for the other labels.
+        """
+        if tenant_label not in self._made:
+            if self._made:
+                raise ConfigurationError(
+                    "IDEMPOTENCY_METRICS_TENANT_LABEL differs between two applications of "
+                    f"this process; give one of them {self._own}"
+                )
+            self._made[tenant_label] = self._make(tenant_label)
+        return self._made[tenant_label]

@@ -4,7 +4,7 @@ The extension makes one operation derive one downstream key, but it cannot see a
 behind its back: a code path that calls the provider without it, a record deleted by hand
 and run again with new downstream keys, a partner that does not deduplicate on the key. A
 day later the provider's own ledger shows them. ``flask idem audit-downstream --day D`` (or
-:func:`audit`) asks each registered lookup (:meth:`Idempotency.downstream_lookup
+:func:`check_downstream`) asks each registered lookup (:meth:`Idempotency.downstream_lookup
 <flask_idem.Idempotency.downstream_lookup>`) for the operations the service recorded, matches
 them by (tenant, downstream key) with the store's records, and reports:
 
@@ -66,7 +66,7 @@ class LookupTarget:
     step: str
 
 
-class Finding(str, enum.Enum):
+class DiscrepancyKind(str, enum.Enum):
     """What one discrepancy is."""
 
     UNMATCHED = "unmatched"
@@ -78,14 +78,14 @@ class Finding(str, enum.Enum):
 class Discrepancy:
     """One finding: the operations concerned, and the record when there is one."""
 
-    finding: Finding
+    finding: DiscrepancyKind
     operations: tuple[DownstreamRecord, ...]
     record: Record | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class AuditReport:
-    """What one audit of ``[start, end)`` found."""
+class DownstreamReport:
+    """What one downstream check of ``[start, end)`` found."""
 
     start: dt.datetime
     end: dt.datetime
@@ -93,7 +93,7 @@ class AuditReport:
     operations: int
     discrepancies: tuple[Discrepancy, ...]
 
-    def count(self, finding: Finding) -> int:
+    def count(self, finding: DiscrepancyKind) -> int:
         return sum(d.finding is finding for d in self.discrepancies)
 
 
@@ -101,8 +101,10 @@ class AuditReport:
 _UNSETTLED = (State.UNKNOWN, State.REOPENED)
 
 
-def audit(start: dt.datetime, end: dt.datetime, *, margin: float = 3600) -> AuditReport:
-    """Audit the operations and records of ``[start, end)`` for ``current_app``.
+def check_downstream(
+    start: dt.datetime, end: dt.datetime, *, margin: float = 3600
+) -> DownstreamReport:
+    """Check the operations and records of ``[start, end)`` for ``current_app``.
 
     :param margin: seconds read beyond the window on both sides, for matching only.
     :raises ConfigurationError: a lookup is registered for a view the app does not have.
@@ -137,7 +139,7 @@ def audit(start: dt.datetime, end: dt.datetime, *, margin: float = 3600) -> Audi
         operations = list(lookup(start - wide, end + wide))
         total += sum(start <= op.created < end for op in operations)
         found.extend(_compare(keys, operations, start, end))
-    return AuditReport(
+    return DownstreamReport(
         start, end, sum(start <= r.created_at < end for r in records), total, tuple(found)
     )
 
@@ -154,12 +156,12 @@ def _compare(
         if key in keys:
             matched.setdefault(key, []).append(op)
         elif start <= op.created < end:
-            yield Discrepancy(Finding.UNMATCHED, (op,))
+            yield Discrepancy(DiscrepancyKind.UNMATCHED, (op,))
     for key, ops in matched.items():
         record = keys[key]
         if not start <= record.created_at < end:
             continue  # the record's own day reports it
         if len(ops) > 1:
-            yield Discrepancy(Finding.DUPLICATE, tuple(ops), record)
+            yield Discrepancy(DiscrepancyKind.DUPLICATE, tuple(ops), record)
         if record.state in _UNSETTLED or record.lease_expired:
-            yield Discrepancy(Finding.UNKNOWN, tuple(ops), record)
+            yield Discrepancy(DiscrepancyKind.UNKNOWN, tuple(ops), record)

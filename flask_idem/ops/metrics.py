@@ -132,19 +132,14 @@ def _opt(tenant: str | None) -> tuple[str, ...]:
     return () if tenant is None else (tenant,)
 
 
-_default: dict[bool, Metrics] = {}
+_default = counting.PerProcess(
+    lambda label: Metrics(tenant_label=label), "Idempotency(metrics=Metrics(registry=...))"
+)
 
 
 def default_metrics(tenant_label: bool) -> Metrics:
     """The instruments on the default registry, made once per process."""
-    if tenant_label not in _default:
-        if _default:
-            raise ConfigurationError(
-                "IDEMPOTENCY_METRICS_TENANT_LABEL differs between two applications of this "
-                "process; give one of them Idempotency(metrics=Metrics(registry=...))"
-            )
-        _default[tenant_label] = Metrics(tenant_label=tenant_label)
-    return _default[tenant_label]
+    return _default.get(tenant_label)
 
 
 def install(app: Flask, metrics: Metrics | None, settings: Settings) -> None:

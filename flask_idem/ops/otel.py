@@ -230,20 +230,15 @@ class AttemptSpan:
             phase.end()  # last: a span processor that raises leaves nothing half-done
 
 
-_default: dict[bool, Telemetry] = {}
+_default = counting.PerProcess(
+    lambda label: Telemetry(tenant_label=label), "Idempotency(telemetry=Telemetry(...))"
+)
 
 
 def default_telemetry(tenant_label: bool) -> Telemetry:
     """The instruments on the global providers, made once per process (a second set would
     be a duplicate instrument)."""
-    if tenant_label not in _default:
-        if _default:
-            raise ConfigurationError(
-                "IDEMPOTENCY_METRICS_TENANT_LABEL differs between two applications of this "
-                "process; give one of them Idempotency(telemetry=Telemetry(...))"
-            )
-        _default[tenant_label] = Telemetry(tenant_label=tenant_label)
-    return _default[tenant_label]
+    return _default.get(tenant_label)
 
 
 def install(app: Flask, telemetry: Telemetry | None, settings: Settings) -> None:

@@ -48,8 +48,6 @@ class RequestStore(abc.ABC):
     """The request primitives: what a custom store implements at least; implementations raise
     only ``StoreUnavailable``."""
 
-    #: SQLAlchemy dialect name this store speaks ("postgresql", "sqlite").
-    dialect: t.ClassVar[str]
     #: Whether statements may take the driver-cursor shortcut of
     #: :mod:`flask_idem.store.fast_path` (``IDEMPOTENCY_SQLALCHEMY_FAST_PATH``).
     fast_path: bool = True
@@ -62,15 +60,12 @@ class RequestStore(abc.ABC):
         #: What stored keys and fingerprints are made of (``IDEMPOTENCY_KEY_SECRETS``).
         self.keys = KeyDigest()
         self._keys_configured = False
-        #: Whether every state transition appends a row to the audit trail.
+        #: Whether every state transition appends a row to the audit trail (written by the
+        #: request primitives themselves, with the transition: a request-path setting).
         self.audit = False
-        #: Seconds audit rows are kept (None: forever); enforced by :meth:`maintain`.
+        #: Seconds audit rows are kept (None: forever); enforced by ``maintain``.
         self.audit_retention: float | None = None
         self._audit_configured = False
-        #: Where :meth:`maintain` moves expired partitions instead of dropping them (None:
-        #: dropped at once).
-        self.archive: Archive | None = None
-        self._archive_configured = False
         self._fast_path_configured = False
 
     def use_fast_path(self, enabled: bool) -> None:
@@ -104,21 +99,6 @@ class RequestStore(abc.ABC):
             )
         self.audit, self.audit_retention = wanted
         self._audit_configured = True
-
-    def use_archive(self, archive: Archive | None) -> None:
-        """Archive expired partitions (``IDEMPOTENCY_ARCHIVE_*``; ``init_app`` calls this).
-
-        :raises ConfigurationError: the store already serves an application that archives
-            differently.
-        """
-        if self._archive_configured and archive != self.archive:
-            raise ConfigurationError(
-                "this store already serves an application with another "
-                "IDEMPOTENCY_ARCHIVE_RETENTION or IDEMPOTENCY_ARCHIVE_SCHEMA; give each "
-                "application its own store"
-            )
-        self.archive = archive
-        self._archive_configured = True
 
     def use_sealer(self, sealer: Sealer) -> None:
         """Seal snapshots as an application's settings say (``init_app`` calls this).
@@ -154,9 +134,13 @@ class RequestStore(abc.ABC):
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         """Take the key for the caller, or return the live record that already holds it.
 
-        ``fingerprint`` is the request's SHA-256 fingerprint; a SQL store keeps it keyed with
-        :attr:`keys` (:meth:`~flask_idem.core.key_digest.KeyDigest.fingerprint`) and its key
-        as a digest, and the records it returns carry the digest (``scope.digest``).
+        ``fingerprint`` is the request's SHA-256 fingerprint. A store must keep neither it nor
+        the key as given: it keeps the key as :attr:`keys` digests it (``keys.stored``: keyed
+        with the current secret of ``IDEMPOTENCY_KEY_SECRETS``; a claim looks up every form
+        of ``keys.candidates``) and the fingerprint keyed the same way (``keys.fingerprint``,
+        see :class:`~flask_idem.core.key_digest.KeyDigest`); the records it returns carry the
+        digest (``scope.digest``) and the stored fingerprint. The contract
+        (:mod:`flask_idem.testing.contract`) reads the store's tables to check it.
 
         :param ttl: seconds the record (and so the key) stays live.
         :param lease: seconds before an owner that stopped renewing counts as gone.
@@ -189,6 +173,12 @@ class RequestStore(abc.ABC):
         created_at: dt.datetime | None = None,
     ) -> bool:
         """Store the response snapshot; ``None`` marks the key used but not replayable.
+
+        A store must keep the snapshot as :attr:`sealer` seals it
+        (:meth:`~flask_idem.core.sealing.Sealer.seal`, bound to the record's ``created_at``):
+        with ``IDEMPOTENCY_ENCRYPTION_KEYS`` neither its body nor its headers are kept in
+        clear, and :meth:`get` and the claims open it with the same sealer (which refuses one
+        stored unencrypted under ``IDEMPOTENCY_REQUIRE_ENCRYPTED``).
 
         :param connection: run inside the caller's open transaction, so that the business
             writes and the stored response commit together.
@@ -242,6 +232,30 @@ class OperatorStore(abc.ABC):
     """Reading and keeping the records for operators (see the module's docstring); what a
     store implements on top of :class:`RequestStore` for ``flask idem`` and the other
     operator tools. Implementations raise only ``StoreUnavailable``."""
+
+    #: SQLAlchemy dialect name this store speaks ("postgresql", "sqlite"), for
+    #: ``flask idem upkeep`` (partitions and archives are PostgreSQL's).
+    dialect: t.ClassVar[str]
+    #: Where :meth:`maintain` moves expired partitions instead of dropping them (None:
+    #: dropped at once).
+    archive: Archive | None = None
+    _archive_configured = False
+
+    def use_archive(self, archive: Archive | None) -> None:
+        """Archive expired partitions (``IDEMPOTENCY_ARCHIVE_*``; ``init_app`` calls this on
+        a store with the operator interface: only :meth:`maintain` reads it).
+
+        :raises ConfigurationError: the store already serves an application that archives
+            differently.
+        """
+        if self._archive_configured and archive != self.archive:
+            raise ConfigurationError(
+                "this store already serves an application with another "
+                "IDEMPOTENCY_ARCHIVE_RETENTION or IDEMPOTENCY_ARCHIVE_SCHEMA; give each "
+                "application its own store"
+            )
+        self.archive = archive
+        self._archive_configured = True
 
     @abc.abstractmethod
     def find(self, tenant: str, key: str, endpoint: str | None = None) -> list[Record]:

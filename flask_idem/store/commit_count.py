@@ -17,9 +17,10 @@ for that attempt (:class:`Tally`, :func:`tally_attempt`): writes committed throu
 connection (``with db.engine.begin()``) stay whatever the attempt does next. flask_idem's own
 store primitives run under :func:`store_own` and count for nobody.
 
-:func:`open_counting` opens them for an engine flask_idem did not build (Flask-SQLAlchemy's,
-``IDEMPOTENCY_ENGINE``) unless its ``connect_args`` name a connection class of their own; the
-client-side deadline's connection classes (:mod:`.engines`, :mod:`.deadline_psycopg`) count too.
+:func:`flask_idem.store.fast_path.open_counting` opens them for an engine flask_idem did not
+build (Flask-SQLAlchemy's, ``IDEMPOTENCY_ENGINE``) unless its ``connect_args`` name a
+connection class of their own; the client-side deadline's connection classes (:mod:`.engines`,
+:mod:`.deadline_psycopg`) count too.
 SQLite needs none of it: its store transactions all begin with an explicit ``BEGIN``, so
 sqlite3's ``in_transaction`` shows one ended below SQLAlchemy (see :func:`ended_below`, what
 :func:`flask_idem.commits.ended_outside` asks).
@@ -40,7 +41,6 @@ from .statements import ends_transaction, may_end
 
 #: The attribute holding a connection's count of ends since it was last zeroed.
 ATTRIBUTE = "flask_idem_ends"
-_OPENS_COUNTING = "flask_idem_opens_counting"
 #: Marks an end of the transaction SQLAlchemy announced (:func:`sqlalchemy_ends_next`).
 _ANNOUNCED = "flask_idem_sqlalchemy_ends_next"
 
@@ -267,26 +267,6 @@ def psycopg_class() -> type[t.Any]:
         "server_cursor_factory": _watched_factory("server_cursor_factory"),
     }
     return type("CountingConnection", (psycopg.Connection,), body)
-
-
-def open_counting(engine: sa.Engine) -> None:
-    """Open ``engine``'s new PostgreSQL connections from the counting classes (once per
-    dialect)."""
-    dialect = engine.dialect
-    if dialect.name != "postgresql" or getattr(dialect.connect, _OPENS_COUNTING, False):
-        return
-    connect = dialect.connect
-    driver = dialect.driver
-
-    def connect_counting(*cargs: t.Any, **cparams: t.Any) -> t.Any:
-        if driver == "psycopg2":
-            cparams.setdefault("connection_factory", Psycopg2Connection)
-        elif driver == "psycopg":
-            return psycopg_class().connect(*cargs, **cparams)
-        return connect(*cargs, **cparams)
-
-    setattr(connect_counting, _OPENS_COUNTING, True)
-    dialect.connect = connect_counting  # type: ignore[method-assign]
 
 
 def zero(connection: sa.Connection) -> None:

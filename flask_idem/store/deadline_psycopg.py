@@ -41,19 +41,10 @@ class DeadlineConnection(psycopg_class()):  # type: ignore[misc]
     def wait(self, gen: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
         if self.closed:
             return super().wait(gen, *args, **kwargs)
-        budget = self.flask_idem_deadline
-        token = WATCHDOG.arm(self.pgconn.socket, budget, self.flask_idem_setup_ends)
-        try:
-            result = super().wait(gen, *args, **kwargs)
-        except BaseException as exc:
-            if WATCHDOG.disarm(token):
-                self.close()  # closed: SQLAlchemy sees a disconnect, the pool drops it
-                raise DeadlineExceeded(
-                    f"flask_idem: the database did not answer within {budget:g} s"
-                ) from exc
-            raise
-        WATCHDOG.disarm(token)
-        return result
+        wait = super().wait
+        return WATCHDOG.bound(
+            self, self.pgconn.socket, DeadlineExceeded, wait, gen, *args, **kwargs
+        )
 
 
 @functools.cache

@@ -167,6 +167,9 @@ def _shut_down(fd: int) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
+_R = t.TypeVar("_R")
+
+
 class Watchdog:
     """Gives blocked libpq calls an end: one daemon thread per process, a dict of deadlines.
 
@@ -233,6 +236,37 @@ class Watchdog:
             return False
         with self._lock:  # the thread took it: wait until it is done with the descriptor
             return True
+
+    def bound(
+        self,
+        connection: t.Any,
+        fd: int,
+        exceeded: type[Exception],
+        call: t.Callable[..., _R],
+        /,
+        *args: t.Any,
+        **kwargs: t.Any,
+    ) -> _R:
+        """``call(*args, **kwargs)`` armed with ``connection``'s deadline on socket ``fd``
+        (its ``flask_idem_deadline`` budget, its ``flask_idem_setup_ends``): the one way both
+        drivers' deadline connections wait for the server.
+
+        :raises exceeded: the deadline passed and shut the socket down; ``connection`` is then
+            closed, so SQLAlchemy sees a disconnect and the pool drops it.
+        """
+        budget = connection.flask_idem_deadline
+        token = self.arm(fd, budget, connection.flask_idem_setup_ends)
+        try:
+            result = call(*args, **kwargs)
+        except BaseException as exc:
+            if self.disarm(token):
+                connection.close()
+                raise exceeded(
+                    f"flask_idem: the database did not answer within {budget:g} s"
+                ) from exc
+            raise
+        self.disarm(token)
+        return result
 
     def _wake(self) -> None:
         with self._condition:
@@ -319,19 +353,9 @@ def _bounded(call: _F, *, of_cursor: bool) -> _F:
         # Closed: psycopg2 raises its own error without any wait.
         if connection.closed or (not of_cursor and connection.status == _READY):
             return call(self, *args, **kwargs)
-        budget = connection.flask_idem_deadline
-        token = WATCHDOG.arm(connection.fileno(), budget, connection.flask_idem_setup_ends)
-        try:
-            result = call(self, *args, **kwargs)
-        except BaseException as exc:
-            if WATCHDOG.disarm(token):
-                connection.close()  # closed: SQLAlchemy sees a disconnect, the pool drops it
-                raise DeadlineExceeded(
-                    f"flask_idem: the database did not answer within {budget:g} s"
-                ) from exc
-            raise
-        WATCHDOG.disarm(token)
-        return result
+        return WATCHDOG.bound(
+            connection, connection.fileno(), DeadlineExceeded, call, self, *args, **kwargs
+        )
 
     bounded.__name__ = call.__name__
     bounded.__doc__ = call.__doc__

@@ -23,10 +23,19 @@ result machinery again, and failures go through SQLAlchemy's own disconnect hand
 
 Off, the commit guard listens to SQLAlchemy's connection and pool events instead of wrapping
 the dialect (:func:`flask_idem.commits.guard_commits`): the same refusals and the same notes,
-paying for the event dispatch. What stays the same with the switch off: the counting driver
-connections (:mod:`.commit_count`), which see a transaction ended below SQLAlchemy; they are
-opened by the dialect's ``connect``, replaced on the engine's dialect instance (the pooler's
-``do_connect`` listener calls that same ``connect``).
+paying for the event dispatch.
+
+One patch is not behind the switch, because no public API does its job: **the counting
+connect** (:func:`open_counting`). The counting driver connections (:mod:`.commit_count`),
+which see a transaction ended below SQLAlchemy, are what the commit guard reads on both paths,
+so an engine flask_idem did not build opens them through its dialect's ``connect``, replaced on
+that dialect instance. SQLAlchemy's public ``do_connect`` event cannot replace it: psycopg 3
+has no connect argument naming a connection class, so a listener would have to open the
+connection itself, and a listener that returns a connection ends the chain, pre-empting every
+listener registered after it (the pooler's, :mod:`.pooler`, which retries without refused
+start-up options and itself calls the dialect's ``connect``: it would then open connections
+that do not count, or never run). Wrapping ``connect`` counts every connection whichever
+listener opens it, in any order of registration.
 """
 
 from __future__ import annotations
@@ -37,7 +46,31 @@ import typing as t
 
 import sqlalchemy as sa
 
+from .commit_count import Psycopg2Connection, psycopg_class
+
 _WRAPPED = "flask_idem_commit_guard"
+_OPENS_COUNTING = "flask_idem_opens_counting"
+
+
+def open_counting(engine: sa.Engine) -> None:
+    """Open ``engine``'s new PostgreSQL connections from the counting classes of
+    :mod:`.commit_count` (once per dialect; on both paths of the switch, see the module's
+    docstring)."""
+    dialect = engine.dialect
+    if dialect.name != "postgresql" or getattr(dialect.connect, _OPENS_COUNTING, False):
+        return
+    connect = dialect.connect
+    driver = dialect.driver
+
+    def connect_counting(*cargs: t.Any, **cparams: t.Any) -> t.Any:
+        if driver == "psycopg2":
+            cparams.setdefault("connection_factory", Psycopg2Connection)
+        elif driver == "psycopg":
+            return psycopg_class().connect(*cargs, **cparams)
+        return connect(*cargs, **cparams)
+
+    setattr(connect_counting, _OPENS_COUNTING, True)
+    dialect.connect = connect_counting  # type: ignore[method-assign]
 
 
 def observed(engine: sa.Engine) -> bool:

@@ -85,10 +85,9 @@ from ..core.record import (
 from . import commit_count, engines, fast_path
 from .sql import (
     AUDIT_COLUMNS,
-    HEADERS_TYPE,
-    Outcome,
     Precompiled,
     SQLStore,
+    StatementResult,
     build_record,
     new_token,
     record_from_row,
@@ -125,6 +124,32 @@ AUDIT_MONTHS_AHEAD = 2
 # The atomic claim reserves the record it would insert (migration 0007): its reservation
 # inserts it, completed, in the same transaction.
 _CLAIM_ATOMIC = _CLAIM.replace("idempotency_claim(", "idempotency_claim_reserve(")
+
+
+def _ended(row: str) -> str:
+    """When the request ended: its completion, else the end of its last lease (in progress,
+    unknown or reopened), else its claim. ``row``: a table alias, or empty for none."""
+    return f"coalesce({row}completed_at, {row}lease_expires_at, {row}created_at)"
+
+
+def _live(row: str, clock: str) -> str:
+    """Whether a record is live at ``clock``, as the claim functions decide it (migration
+    0002): a TTL from the claim, or a TTL from the end of the request. The raw statements' one
+    spelling of it (``row``: ``"k."``, or empty); :meth:`PostgresStore.ttl_after_end` is the
+    Core one."""
+    ttl = f"({row}expires_at - {row}created_at)"
+    return f"({row}expires_at > {clock} OR {_ended(row)} + {ttl} > {clock})"
+
+
+def _past_ttl_immutable(row: str, clock: str) -> str:
+    """Whether a record is not live at ``clock``, spelled as Citus accepts on columns in a
+    modification: ``clock - ended >= ttl``, interval against interval, IMMUTABLE once the
+    clock is a constant (``timestamptz + interval`` is STABLE); the negation of
+    :meth:`PostgresStore.ttl_after_end`'s spelling."""
+    ttl = f"{row}expires_at - {row}created_at"
+    return f"({row}expires_at <= {clock} AND {clock} - {_ended(row)} >= {ttl})"
+
+
 # An atomic claim that found the scope's lock held (the holder may only be *replaying*): the
 # live completed record, read without the lock. Safe because a completed record is final
 # while it is live (nothing but an operator's reopen changes it, and a claim only inserts when
@@ -141,9 +166,7 @@ _FIND_COMPLETED = (
     " FROM idempotency_keys AS k"
     " WHERE k.tenant = %(tenant)s AND k.endpoint = %(endpoint)s AND k.key = %(key)s"
     " AND k.state = 'completed'"
-    " AND (k.expires_at > clock_timestamp()"
-    " OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)"
-    " + (k.expires_at - k.created_at) > clock_timestamp())"
+    f" AND {_live('k.', 'clock_timestamp()')}"
     " ORDER BY k.created_at DESC LIMIT 1"
 )
 #: Set by the reserving claim, local to its transaction: the token of the record it holds.
@@ -151,12 +174,8 @@ _RESERVED_SETTING = "flask_idem.reserved"
 _CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_reserve(")
 _CREATE_PARTITIONS = sa.text("SELECT * FROM idempotency_create_partitions(:ahead, :dry_run)")
 _DROP_PARTITIONS = sa.text("SELECT * FROM idempotency_drop_expired_partitions(:dry_run)")
-# Live as in idempotency_claim() (migration 0002): a TTL from the claim, and a TTL from the
-# end of the request (completion, unknown, or the end of its last lease).
-_EXPIRED = (
-    "expires_at <= now() AND coalesce(completed_at, lease_expires_at, created_at) "
-    "+ (expires_at - created_at) <= now()"
-)
+# Not live as idempotency_claim() (migration 0002) decides it, at the transaction's clock.
+_EXPIRED = f"NOT {_live('', 'now()')}"
 _COUNT_EXPIRED_DEFAULT = sa.text(f"SELECT count(*) FROM {DEFAULT_PARTITION} WHERE {_EXPIRED}")
 # By primary key, not ctid: a ctid names a row within one shard only, and Citus refuses it in
 # a modification with a subquery. Citus runs the batch's SELECT first (where STABLE functions
@@ -167,9 +186,7 @@ _PURGE_DEFAULT = sa.text(
     f"DELETE FROM {DEFAULT_PARTITION} AS d "
     "WHERE (d.tenant, d.endpoint, d.key, d.created_at) IN ("
     f"SELECT tenant, endpoint, key, created_at FROM {DEFAULT_PARTITION} WHERE {_EXPIRED} "
-    "LIMIT :batch) AND d.expires_at <= now() "
-    "AND now() - coalesce(d.completed_at, d.lease_expires_at, d.created_at) "
-    ">= d.expires_at - d.created_at"
+    f"LIMIT :batch) AND {_past_ttl_immutable('d.', 'now()')}"
 )
 # Partitions of idempotency_keys whose range starts after now (the name carries its start).
 _PARTITIONS_AHEAD = sa.text(
@@ -535,7 +552,7 @@ class PostgresStore(SQLStore):
             "state": sa.bindparam("p_state", type_=table.c.state.type),
             "claim_token": token,
             "response_status": sa.bindparam("p_status", type_=table.c.response_status.type),
-            "response_headers": sa.bindparam("p_headers", type_=HEADERS_TYPE),
+            "response_headers": sa.bindparam("p_headers", type_=table.c.response_headers.type),
             "response_body": sa.bindparam("p_body", type_=table.c.response_body.type),
             "created_at": sa.bindparam("p_created_at", type_=timestamp),
             "completed_at": self.now(),
@@ -563,10 +580,10 @@ class PostgresStore(SQLStore):
             **self._completion(scope, response, record.created_at),
         }
         event = "unstored" if response is None else "completed"
-        outcome = self._write(
+        result = self._write(
             self._insert_completed_statement, parameters, connection, scope=scope, event=event
         )
-        return outcome.rowcount == 1
+        return result.rowcount == 1
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         # Rows land in DEFAULT only when upkeep fell behind; expire them row by row, in
@@ -704,7 +721,7 @@ class PostgresStore(SQLStore):
         statement: sa.UpdateBase,
         parameters: dict[str, t.Any],
         deleted: bool,
-    ) -> Outcome:
+    ) -> StatementResult:
         # WITH changed AS (<write> RETURNING ...), logged AS (INSERT INTO idempotency_audit
         # SELECT ... FROM changed) SELECT * FROM changed: one statement, one round trip.
         changed = statement.cte("changed")
@@ -724,7 +741,7 @@ class PostgresStore(SQLStore):
         ).select_from(changed)
         logged = audit_table.insert().from_select(list(AUDIT_COLUMNS), rows).cte("logged")
         found = list(conn.execute(sa.select(changed).add_cte(logged), parameters).all())
-        return Outcome(found, len(found))
+        return StatementResult(found, len(found))
 
     def partitions_ahead(self) -> int | None:
         with translate_errors(), self.engine.connect() as conn:

@@ -1,8 +1,12 @@
 """SQLAlchemy Core implementation of the primitives both dialects share.
 
-Dialects differ in three places only: how a primitive gets its connection (autocommit on
-PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), how "now" is spelled (always the database clock,
-never the application's), and the claim and maintenance, which live in the dialect modules.
+Dialects differ only where :class:`SQLStore`'s abstract methods say: how a primitive gets its
+connection (autocommit on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), how "now" is spelled
+(always the database clock, never the application's), how the TTL counted from a request's end
+is compared (``ttl_after_end``), how a row's key hash is computed (``scope_hash``: SQL on
+PostgreSQL, a Python function registered on SQLite), how a write appends its audit rows
+(``_audited``: one statement on PostgreSQL, a second one in the same transaction on SQLite),
+and the claim and maintenance, which live in the dialect modules.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import secrets
 import typing as t
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 
 from ..core.errors import SchemaMissing, StoreUnavailable, UnreadableResponse
 from ..core.idempotency_keys import key_hash
@@ -62,11 +65,6 @@ AUDIT_COLUMNS: tuple[str, ...] = (
     "detail",
 )
 
-#: ``response_headers`` as written: None is SQL NULL (the mark of a sealed envelope), never
-#: the JSON ``null`` SQLAlchemy writes by default, so that SQL can tell the layouts apart.
-HEADERS_TYPE = sa.JSON(none_as_null=True).with_variant(
-    postgresql.JSONB(none_as_null=True), "postgresql"
-)
 #: Reads every layout (plain, compressed, encrypted with a configured key).
 _READER = Sealer()
 
@@ -315,7 +313,7 @@ class SQLStore(Store):
             .values(
                 state=sa.bindparam("p_state"),
                 response_status=sa.bindparam("p_status"),
-                response_headers=sa.bindparam("p_headers", type_=HEADERS_TYPE),
+                response_headers=sa.bindparam("p_headers", type_=table.c.response_headers.type),
                 response_body=sa.bindparam("p_body", type_=table.c.response_body.type),
                 completed_at=self.now(),
                 lease_expires_at=None,
@@ -342,12 +340,12 @@ class SQLStore(Store):
         statement: sa.Executable | Precompiled,
         parameters: dict[str, t.Any] | None = None,
         connection: sa.Connection | None = None,
-    ) -> Outcome:
+    ) -> StatementResult:
         with translate_errors(), engines.OneDeadline():
             if connection is not None:
-                return Outcome.of(_run(connection, statement, parameters))
+                return StatementResult.of(_run(connection, statement, parameters))
             with self.connect() as conn:
-                return Outcome.of(_run(conn, statement, parameters))
+                return StatementResult.of(_run(conn, statement, parameters))
 
     def _write(
         self,
@@ -358,7 +356,7 @@ class SQLStore(Store):
         scope: Scope,
         event: str,
         returning: t.Sequence[str] = (),
-    ) -> Outcome:
+    ) -> StatementResult:
         """Run a write that changes a record's state, and audit it when the trail is on.
 
         A :class:`Precompiled` statement is sent as it is when that is all there is to do;
@@ -366,12 +364,12 @@ class SQLStore(Store):
 
         Off, this is :meth:`_execute` of ``statement`` (returning ``returning``): nothing more
         is built or sent. On, one audit row per changed row goes in with the write: in the
-        same statement on PostgreSQL, in the same transaction on SQLite; the outcome then
+        same statement on PostgreSQL, in the same transaction on SQLite; the result then
         counts the changed rows as the write's row count does.
         """
         if isinstance(statement, Precompiled):
             if not returning and not self.audit:
-                return Outcome([], self._send(statement, parameters, connection))
+                return StatementResult([], self._send(statement, parameters, connection))
             statement = statement.statement
         if returning:
             statement = statement.returning(*(table.c[name] for name in returning))
@@ -404,7 +402,7 @@ class SQLStore(Store):
         statement: sa.UpdateBase,
         parameters: dict[str, t.Any],
         deleted: bool,
-    ) -> Outcome:
+    ) -> StatementResult:
         """Run ``statement`` (it returns at least :data:`AUDIT_SOURCE`) and append one audit
         row per row it returns, from the ``a_*`` parameters and those rows."""
 
@@ -439,10 +437,10 @@ class SQLStore(Store):
         parameters = self._owner(scope, token, created_at)
         parameters.update(self._completion(scope, response, created_at))
         event = "unstored" if response is None else "completed"
-        outcome = self._write(
+        result = self._write(
             self._complete_statement, parameters, connection, scope=scope, event=event
         )
-        return outcome.rowcount == 1
+        return result.rowcount == 1
 
     def _completion(
         self, scope: Scope, response: StoredResponse | None, created_at: dt.datetime | None
@@ -472,15 +470,15 @@ class SQLStore(Store):
 
     def release(self, scope: Scope, token: str, *, created_at: dt.datetime | None = None) -> bool:
         parameters = self._owner(scope, token, created_at)
-        outcome = self._write(self._release_statement, parameters, scope=scope, event="released")
-        return outcome.rowcount == 1
+        result = self._write(self._release_statement, parameters, scope=scope, event="released")
+        return result.rowcount == 1
 
     def mark_unknown(
         self, scope: Scope, token: str, *, created_at: dt.datetime | None = None
     ) -> bool:
         parameters = self._owner(scope, token, created_at)
-        outcome = self._write(self._unknown_statement, parameters, scope=scope, event="unknown")
-        return outcome.rowcount == 1
+        result = self._write(self._unknown_statement, parameters, scope=scope, event="unknown")
+        return result.rowcount == 1
 
     def renew(
         self, scope: Scope, token: str, *, lease: float, created_at: dt.datetime | None = None
@@ -899,14 +897,14 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-class Outcome(t.NamedTuple):
+class StatementResult(t.NamedTuple):
     """A statement's rows and row count, read before its connection goes back to the pool."""
 
     rows: list[sa.Row[t.Any]]
     rowcount: int
 
     @classmethod
-    def of(cls, result: sa.CursorResult[t.Any]) -> Outcome:
+    def of(cls, result: sa.CursorResult[t.Any]) -> StatementResult:
         rows = list(result.all()) if result.returns_rows else []
         return cls(rows, result.rowcount)
 

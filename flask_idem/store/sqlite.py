@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from ..core.idempotency_keys import key_hash
 from ..core.record import ClaimResult, MaintenanceReport, Scope, State
 from . import commit_count
-from .sql import Outcome, SQLStore, new_token, record_from_row, translate_errors
+from .sql import SQLStore, StatementResult, new_token, record_from_row, translate_errors
 from .table import idempotency_audit as audit_table
 from .table import idempotency_keys as table
 
@@ -184,12 +184,12 @@ class SQLiteStore(SQLStore):
         statement: sa.UpdateBase,
         parameters: dict[str, t.Any],
         deleted: bool,
-    ) -> Outcome:
+    ) -> StatementResult:
         # SQLite has no data-modifying CTEs: the audit rows follow in the same transaction.
         rows = list(conn.execute(statement, parameters).all())
         if rows:
             self._append_audit(conn, parameters, rows, deleted)
-        return Outcome(rows, len(rows))
+        return StatementResult(rows, len(rows))
 
     def _append_audit(
         self, conn: sa.Connection, values: dict[str, t.Any], rows: list[t.Any], deleted: bool

@@ -81,7 +81,11 @@ class _StoredJSON(sa.TypeDecorator[t.Any]):
         return process
 
 
-_json = _StoredJSON().with_variant(postgresql.JSONB(), "postgresql")
+#: ``response_headers``: None is written as SQL NULL (the mark of a sealed envelope), never the
+#: JSON ``null`` SQLAlchemy writes by default, so that SQL can tell the layouts apart.
+_headers = _StoredJSON(none_as_null=True).with_variant(
+    postgresql.JSONB(none_as_null=True), "postgresql"
+)
 
 idempotency_keys = sa.Table(
     TABLE_NAME,
@@ -94,7 +98,7 @@ idempotency_keys = sa.Table(
     sa.Column("claim_token", sa.String(32), nullable=True),
     sa.Column("lease_expires_at", _timestamp, nullable=True),
     sa.Column("response_status", sa.Integer, nullable=True),
-    sa.Column("response_headers", _json, nullable=True),
+    sa.Column("response_headers", _headers, nullable=True),
     sa.Column("response_body", sa.LargeBinary, nullable=True),
     sa.Column("created_at", _timestamp, nullable=False),
     sa.Column("completed_at", _timestamp, nullable=True),
@@ -110,7 +114,6 @@ idempotency_keys = sa.Table(
 )
 
 AUDIT_TABLE_NAME = "idempotency_audit"
-AUDIT_DEFAULT_PARTITION = f"{AUDIT_TABLE_NAME}_default"
 
 #: The append-only audit trail (``IDEMPOTENCY_AUDIT``, migration 0005): one row per state
 #: transition of a record, written in the same statement or transaction as the transition.

@@ -18,7 +18,9 @@ subclassing it in a test module and giving it a ``store`` fixture (an empty, rea
             store.engine.dispose()
 
 Every test takes the ``store`` fixture and a fresh ``scope``. The suite moves records in time
-with :meth:`~StoreContract.age` (stores read the database clock, so tests never sleep).
+with :meth:`~StoreContract.age` (stores read the database clock, so tests never sleep), and
+reads what a store keeps at rest with :meth:`~StoreContract.at_rest` (every table its engine
+sees), so a store that keeps raw keys or bodies in clear fails whatever it returns.
 """
 
 from __future__ import annotations
@@ -26,14 +28,18 @@ from __future__ import annotations
 import concurrent.futures
 import datetime as dt
 import hashlib
+import json
 import threading
 import typing as t
 
 import pytest
+import sqlalchemy as sa
 
 from ..core.idempotency_keys import key_hash
+from ..core.key_digest import KeyDigest, KeySecret, unkeyed
 from ..core.record import Scope, State, StoredResponse
 from ..core.scopes import ACCOUNT, account_fingerprint, namespace, split, used_elsewhere
+from ..core.sealing import EncryptionKey, Sealer
 from ..store import RequestStore, Store
 from . import age_record
 
@@ -44,8 +50,27 @@ RESPONSE = StoredResponse(
 )
 
 
+#: A snapshot whose body and header value are found in clear wherever they are kept.
+SECRET_RESPONSE = StoredResponse(
+    201,
+    (("Content-Type", "application/json"), ("Location", "/v1/payments/pay_contract_clear")),
+    b'{"card":"4242-contract-cleartext"}',
+)
+
+
 def _seconds(n: float) -> dt.timedelta:
     return dt.timedelta(seconds=n)
+
+
+def _as_bytes(value: t.Any) -> bytes:
+    """A column value as the bytes a search for a secret looks through."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, list | dict):
+        return json.dumps(value).encode() + str(value).encode()
+    return str(value).encode()
 
 
 def _stored(store: RequestStore, scopes: t.Iterable[Scope]) -> list[tuple[str, str, str]]:
@@ -67,6 +92,26 @@ class _Contract:
         ``columns`` (``created_at``, ``expires_at``, ``lease_expires_at``, ``completed_at``).
         The default works on SQL stores with flask_idem's table; override it otherwise."""
         age_record(store, scope, seconds, *columns)
+
+    def at_rest(self, store: RequestStore) -> list[bytes]:
+        """Every value the store keeps, as bytes: each column of each row of each table its
+        engine sees (the default schema). Override it for a store that keeps records where
+        its engine cannot see them."""
+        with store.engine.connect() as conn:
+            names = sa.inspect(conn).get_table_names()
+            preparer = conn.dialect.identifier_preparer
+            return [
+                _as_bytes(value)
+                for name in names
+                for row in conn.execute(sa.text(f"SELECT * FROM {preparer.quote(name)}"))  # noqa: S608
+                for value in row
+                if value is not None
+            ]
+
+    def kept(self, store: RequestStore, *secrets: bytes) -> list[bytes]:
+        """Which of ``secrets`` the store keeps somewhere at rest (see :meth:`at_rest`)."""
+        values = self.at_rest(store)
+        return [secret for secret in secrets if any(secret in value for value in values)]
 
 
 class RequestStoreContract(_Contract):
@@ -321,6 +366,50 @@ class RequestStoreContract(_Contract):
         assert not store.claim(scope, FP, ttl=2, lease=30).claimed, "a TTL after the lease's end"
         self.age(store, scope, 2, "lease_expires_at")
         assert store.claim(scope, FP, ttl=2, lease=30).claimed, "past TTL and lease: forgotten"
+
+    def test_the_raw_key_is_never_kept(self, store: RequestStore, scope: Scope) -> None:
+        """A store keeps a key's digest (:attr:`~flask_idem.RequestStore.keys`), never the key
+        a client sent: a dump of its tables shows no key."""
+        token = store.claim(scope, FP, ttl=60, lease=30).token
+        assert store.complete(scope, token, RESPONSE)
+        assert self.kept(store, scope.key.encode()) == []
+
+    def test_keys_and_fingerprints_are_kept_keyed_with_the_secret(
+        self, store: RequestStore, scope: Scope
+    ) -> None:
+        """With ``IDEMPOTENCY_KEY_SECRETS`` (:meth:`~flask_idem.RequestStore.use_keys`) a
+        store keeps the key's HMAC under the current secret and the request's keyed
+        fingerprint: neither the key, its unkeyed SHA-256 (a guessed key would confirm) nor
+        the raw fingerprint (a guessed body would) is kept, and the record is found by it."""
+        keys = KeyDigest((KeySecret("contract", b"contract secret, 32 bytes long.."),))
+        store.use_keys(keys)
+        fingerprint = hashlib.sha256(b"contract: a keyed request").digest()
+        claim = store.claim(scope, fingerprint, ttl=60, lease=30)
+        assert claim.claimed
+        assert claim.record.scope.digest == keys.stored(scope.tenant, scope.key)
+        assert claim.record.fingerprint == keys.fingerprint(fingerprint)
+        assert store.complete(scope, claim.token, RESPONSE)
+        replay = store.claim(scope, fingerprint, ttl=60, lease=30)
+        assert not replay.claimed and keys.same_request(replay.record, fingerprint)
+        assert replay.record.response == RESPONSE
+        raw = (scope.key.encode(), unkeyed(scope.tenant, scope.key).encode(), fingerprint)
+        assert self.kept(store, *raw) == [], "kept unkeyed"
+        assert self.kept(store, keys.stored(scope.tenant, scope.key).encode()), "the digest"
+
+    def test_stored_responses_are_sealed_by_the_sealer(
+        self, store: RequestStore, scope: Scope
+    ) -> None:
+        """With ``IDEMPOTENCY_ENCRYPTION_KEYS`` and ``IDEMPOTENCY_REQUIRE_ENCRYPTED``
+        (:meth:`~flask_idem.RequestStore.use_sealer`) a store keeps the snapshot as its sealer
+        sealed it: neither the body nor a header value is kept in clear, and it replays."""
+        key = EncryptionKey("contract", bytes(range(32)))
+        store.use_sealer(Sealer((key,), require_encrypted=True))
+        token = store.claim(scope, FP, ttl=60, lease=30).token
+        assert store.complete(scope, token, SECRET_RESPONSE)
+        record = store.get(scope)
+        assert record is not None and record.response == SECRET_RESPONSE
+        body, location = SECRET_RESPONSE.body, SECRET_RESPONSE.headers[1][1].encode()
+        assert self.kept(store, body, location) == [], "kept in clear"
 
 
 class OperatorStoreContract(_Contract):

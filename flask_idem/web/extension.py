@@ -47,11 +47,13 @@ from ..core.options import (
 )
 from ..core.sealing import Sealer
 from ..lease import LeaseKeeper
+from ..ops.cli import idem_group
 from ..sessions import EXTENSION_KEY as SQLALCHEMY_EXTENSION
 from ..sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
 from ..state import AppState
-from ..store import RequestStore, Store, create_store, operator_store
+from ..store import OperatorStore, RequestStore, Store, create_store, operator_store
 from . import flow, guard
+from .inspection import create_blueprint
 from .key_limit import KeyLimiter
 
 if t.TYPE_CHECKING:
@@ -131,10 +133,6 @@ class Idempotency:
         rate limits placed there run first (a key is no credential, and a 429 must never be
         stored).
         """
-        # Both build on the extension's public API.
-        from ..ops.cli import idem_group
-        from .inspection import create_blueprint
-
         if EXTENSION_NAME in app.extensions:
             raise RuntimeError("flask_idem is already registered on this application")
         settings = Settings.from_mapping(app.config)
@@ -151,7 +149,8 @@ class Idempotency:
         store.use_sealer(Sealer.from_settings(settings))
         store.use_keys(KeyDigest.from_secrets(settings.key_secrets))
         store.use_audit(settings.audit, settings.audit_retention)
-        store.use_archive(settings.archive)
+        if isinstance(store, OperatorStore):
+            store.use_archive(settings.archive)  # only maintenance reads it
         store.use_fast_path(settings.sqlalchemy_fast_path)
         guard_commits(store.engine, fast=store.fast_path)
         if settings.ensure_partitions and settings.enabled:

@@ -13,7 +13,7 @@ from click.testing import Result
 
 from flask_idem import DownstreamRecord, Idempotency, Scope, derive_key
 from flask_idem.core.idempotency_keys import key_hash
-from flask_idem.ops.downstream import Finding, audit
+from flask_idem.ops.downstream import DiscrepancyKind, check_downstream
 from flask_idem.store import SQLStore
 from tests.support.helpers import shift
 
@@ -143,12 +143,14 @@ def test_a_charge_just_after_midnight_matches_its_record_of_the_day_before(
     late = midnight + dt.timedelta(seconds=0.2)
     ledger.entries[0] = DownstreamRecord("ch_0", "alpha", derive_key(record, "charge"), late)
     with app.app_context():
-        today = audit(midnight, midnight + dt.timedelta(days=1))
-        yesterday = audit(midnight - dt.timedelta(days=1), midnight)
-        narrow = audit(midnight, midnight + dt.timedelta(days=1), margin=0)
+        today = check_downstream(midnight, midnight + dt.timedelta(days=1))
+        yesterday = check_downstream(midnight - dt.timedelta(days=1), midnight)
+        narrow = check_downstream(midnight, midnight + dt.timedelta(days=1), margin=0)
     assert (today.records, today.operations, today.discrepancies) == (0, 1, ())
     assert (yesterday.records, yesterday.operations, yesterday.discrepancies) == (1, 0, ())
-    assert narrow.count(Finding.UNMATCHED) == 1, "without the margin it would look unmatched"
+    assert narrow.count(DiscrepancyKind.UNMATCHED) == 1, (
+        "without the margin it would look unmatched"
+    )
 
 
 def test_an_old_day_warns_that_records_may_be_purged(

@@ -15,7 +15,7 @@ from flask_idem.store import SQLStore
 from tests.support.helpers import with_tables
 
 ledger = sa.Table(
-    "review_early_ledger",
+    "early_connection_ledger",
     sa.MetaData(),
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("note", sa.String(64)),

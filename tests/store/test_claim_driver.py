@@ -286,13 +286,13 @@ def test_an_autocommit_engine_stays_autocommit(pg_url: str, scope: Scope, path: 
     _trace(engine, path)
     try:
         with engine.connect() as conn:
-            conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS review_ac (v text)")
-            conn.exec_driver_sql("DELETE FROM review_ac")
+            conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS claim_driver_writes (v text)")
+            conn.exec_driver_sql("DELETE FROM claim_driver_writes")
         store.claim(scope, FP, ttl=60, lease=30)
         with engine.connect() as conn:
-            conn.exec_driver_sql("INSERT INTO review_ac VALUES ('written')")
+            conn.exec_driver_sql("INSERT INTO claim_driver_writes VALUES ('written')")
         with engine.connect() as conn:
-            n = conn.exec_driver_sql("SELECT count(*) FROM review_ac").scalar_one()
+            n = conn.exec_driver_sql("SELECT count(*) FROM claim_driver_writes").scalar_one()
         assert n == 1, f"{path}: the application's autocommit write was rolled back"
     finally:
         engine.dispose()

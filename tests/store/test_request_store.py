@@ -12,7 +12,8 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import ConfigurationError, Idempotency, RequestStore
-from flask_idem.core.record import Archive, ClaimResult, Record, Scope, StoredResponse
+from flask_idem.core.key_digest import KeyDigest
+from flask_idem.core.record import ClaimResult, Record, Scope, StoredResponse
 from flask_idem.core.sealing import Sealer
 from flask_idem.ops.metrics import exposition
 from flask_idem.store import SQLStore
@@ -24,8 +25,6 @@ class RequestOnly(RequestStore):
     """flask_idem's SQL store seen through the request primitives alone, as a custom store
     that implements nothing more would be."""
 
-    dialect = "sqlite"
-
     def __init__(self, inner: SQLStore) -> None:
         super().__init__(inner.engine)
         self.inner = inner
@@ -34,13 +33,13 @@ class RequestOnly(RequestStore):
         super().use_audit(enabled, retention)
         self.inner.use_audit(enabled, retention)
 
-    def use_archive(self, archive: Archive | None) -> None:
-        super().use_archive(archive)
-        self.inner.use_archive(archive)
-
     def use_sealer(self, sealer: Sealer) -> None:
         super().use_sealer(sealer)
         self.inner.use_sealer(sealer)
+
+    def use_keys(self, keys: KeyDigest) -> None:
+        super().use_keys(keys)
+        self.inner.use_keys(keys)
 
     def claim(self, scope: Scope, fingerprint: bytes, *, ttl: float, lease: float) -> ClaimResult:
         return self.inner.claim(scope, fingerprint, ttl=ttl, lease=lease)

@@ -13,8 +13,10 @@ import pytest
 import sqlalchemy as sa
 
 from flask_idem import Scope, State, StoredResponse, StoreUnavailable, create_store
+from flask_idem.core.sealing import Sealer
 from flask_idem.store import SQLStore, create_engine, normalize_url
-from flask_idem.testing.contract import FP, RESPONSE, StoreContract
+from flask_idem.testing import age_record
+from flask_idem.testing.contract import FP, OTHER_FP, RESPONSE, StoreContract
 from tests.support.drivers import db_url_on_each_driver  # noqa: F401 (the store contract on both drivers)
 from tests.support.helpers import count_statements
 
@@ -61,6 +63,87 @@ def test_a_value_the_completion_cannot_bind_fails_closed(store: SQLStore, scope:
         store.complete(scope, token, unencodable)
     assert store.get(scope).state is State.IN_PROGRESS  # type: ignore[union-attr]
     assert store.complete(scope, token, RESPONSE)
+
+
+def _headers_are_sql_null(store: SQLStore, scope: Scope) -> bool:
+    """Whether the scope's record has SQL NULL in ``response_headers`` (JSON ``null`` is not:
+    it is text on SQLite and a jsonb value on PostgreSQL)."""
+    with store.engine.connect() as conn:
+        return bool(
+            conn.execute(
+                sa.text(
+                    "SELECT response_headers IS NULL FROM idempotency_keys "
+                    "WHERE tenant = :tenant AND endpoint = :endpoint AND key = :key"
+                ),
+                {
+                    "tenant": scope.tenant,
+                    "endpoint": scope.endpoint,
+                    "key": store.keys.stored(scope.tenant, scope.key),
+                },
+            ).scalar_one()
+        )
+
+
+def test_a_sealed_snapshot_has_sql_null_headers(store: SQLStore, scope: Scope) -> None:
+    """SQL tells a sealed envelope from a plain snapshot by SQL NULL in ``response_headers``
+    (``flask idem keys`` counts by it), never JSON ``null``: through the
+    completion on each dialect, and the atomic mode's completed insert on PostgreSQL."""
+    store.use_sealer(Sealer(compress_min=64))
+    sealed = StoredResponse(201, (("Content-Type", "application/json"),), b"0" * 4096)
+    token = store.claim(scope, FP, ttl=60, lease=30).token
+    assert store.complete(scope, token, sealed)
+    assert _headers_are_sql_null(store, scope)
+    plain = Scope(scope.tenant, scope.endpoint, scope.key + "-plain")
+    assert store.complete(plain, store.claim(plain, FP, ttl=60, lease=30).token, RESPONSE)
+    assert not _headers_are_sql_null(store, plain)
+    if store.dialect == "postgresql":
+        atomic = Scope(scope.tenant, scope.endpoint, scope.key + "-atomic")
+        with store.engine.connect() as conn:
+            conn.begin()
+            claimed = store.claim_atomic(conn, atomic, FP, ttl=60)
+            assert claimed is not None and claimed.reservation is not None
+            assert claimed.reservation.complete(sealed)
+            conn.commit()
+        assert _headers_are_sql_null(store, atomic)
+    for each in (scope, plain):
+        record = store.get(each)
+        assert record is not None and record.response == (sealed if each is scope else RESPONSE)
+
+
+def _rows_of(store: SQLStore, scope: Scope) -> int:
+    with store.engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text("SELECT count(*) FROM idempotency_keys WHERE key = :key"),
+                {"key": store.keys.stored(scope.tenant, scope.key)},
+            ).scalar_one()
+        )
+
+
+def test_the_claim_the_lookup_and_the_purge_agree_at_the_end_of_the_ttl(
+    store: SQLStore, scope: Scope
+) -> None:
+    """Whether a record is live is decided in several statements (the claim functions, the
+    lookups, the purge of old rows): a record moments before the end of its TTL, counted from
+    the end of its request, is live for all of them, and moments after it, for none. It was
+    claimed 40 days ago (on PostgreSQL in DEFAULT, where upkeep purges row by row)."""
+    token = store.claim(scope, FP, ttl=3600, lease=30).token
+    assert store.complete(scope, token, RESPONSE)
+    age_record(store, scope, 40 * 86400, "created_at", "expires_at")
+    age_record(store, scope, 3600 - 5, "completed_at")  # live for 5 more seconds
+    assert store.get(scope) is not None, "the lookup"
+    assert [r.state for r in store.find(scope.tenant, scope.key)] == [State.COMPLETED]
+    assert store.maintain(ahead=7).purged == 0 and _rows_of(store, scope) == 1, "the purge"
+    again = store.claim(scope, FP, ttl=3600, lease=30)
+    assert not again.claimed and again.record.response == RESPONSE, "the claim"
+
+    age_record(store, scope, 10, "completed_at")  # its TTL ended 5 seconds ago
+    assert store.get(scope) is None, "the lookup"
+    assert store.find(scope.tenant, scope.key) == []
+    fresh = store.claim(scope, OTHER_FP, ttl=3600, lease=30)
+    assert fresh.claimed, "the claim"
+    assert store.maintain(ahead=7).purged == 1, "the purge"
+    assert _rows_of(store, scope) == 1 and store.get(scope) is not None, "the fresh one stays"
 
 
 def test_missing_schema_raises_store_unavailable(tmp_path: object, scope: Scope) -> None:

@@ -35,7 +35,7 @@ json_option = click.option(
 )
 
 
-def _store_errors(command: t.Callable[P, None]) -> t.Callable[P, None]:
+def store_errors(command: t.Callable[P, None]) -> t.Callable[P, None]:
     """Turn store and configuration failures into a one-line error and exit status 1."""
 
     @functools.wraps(command)
@@ -76,7 +76,7 @@ ENDPOINT_SPELLING = (
 )
 
 
-def _key_lookup(command: t.Callable[P, None]) -> t.Callable[P, None]:
+def key_lookup(command: t.Callable[P, None]) -> t.Callable[P, None]:
     """[KEY_HASH], --tenant and an optional --endpoint: one key's records (``show``,
     ``history``)."""
     for decorate in (
@@ -88,7 +88,7 @@ def _key_lookup(command: t.Callable[P, None]) -> t.Callable[P, None]:
     return command
 
 
-def _not_found(hashed: str | None, where: str) -> click.ClickException:
+def not_found(hashed: str | None, where: str) -> click.ClickException:
     """Nothing found; a KEY_HASH argument may have been a key of 16 hex digits itself."""
     if hashed is None:
         return click.ClickException(f"no live record of this key {where}")
@@ -98,7 +98,7 @@ def _not_found(hashed: str | None, where: str) -> click.ClickException:
     )
 
 
-def _read_key() -> str:
+def read_key() -> str:
     """The raw key, from standard input: a hidden prompt on a terminal, else its first line.
 
     :raises click.UsageError: there is no key there, or it is not a valid key.
@@ -118,18 +118,20 @@ def _read_key() -> str:
         raise click.UsageError(f"the key on standard input: {exc}") from None
 
 
-def _print_json(data: t.Any) -> None:
+def print_json(data: t.Any) -> None:
+    """``--json`` output: indented, for people and ``jq`` alike."""
     click.echo(json.dumps(data, indent=2))
 
 
 #: How each command reads the key, for the help texts.
-_KEY_HELP = (
+KEY_HELP = (
     "The key is read from standard input (a hidden prompt on a terminal): never on the "
     "command line, where ps and shell history show it. Or name the record by its KEY_HASH."
 )
 
 
-def _plural(count: int, noun: str) -> str:
+def plural(count: int, noun: str) -> str:
+    """``1 record``, ``2 records``."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
@@ -145,18 +147,21 @@ def _duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-def _age(record: Record) -> str:
+def age_of(record: Record) -> str:
+    """How long ago the record was claimed, by the database clock it was read with."""
     return _duration((record.now - record.created_at).total_seconds())
 
 
-def _lease(record: Record) -> str:
+def lease_of(record: Record) -> str:
+    """How long ago an in-progress record's lease ran out; ``-`` for any other record."""
     # Unknown and reopened records keep the time their lease ended, for their TTL only.
     if record.lease_expires_at is None or record.state is not State.IN_PROGRESS:
         return "-"
     return f"expired {_duration((record.now - record.lease_expires_at).total_seconds())} ago"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell, two spaces apart."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -164,7 +169,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     )
 
 
-def _pairs(dumped: dict[str, t.Any]) -> str:
+def format_pairs(dumped: dict[str, t.Any]) -> str:
     """One record as aligned ``name  value`` lines."""
     width = max(len(name) for name in dumped)
 

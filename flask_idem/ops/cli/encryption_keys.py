@@ -12,12 +12,12 @@ from ...core.sealing import KEY_ID_PATTERN, KEY_ID_SIZE, generate_key
 from ...state import AppState
 from ...store import operator_store
 from .common import (
-    _plural,
-    _print_json,
-    _store_errors,
-    _table,
+    format_table,
     idem_group,
     json_option,
+    plural,
+    print_json,
+    store_errors,
 )
 
 keys_group = AppGroup(
@@ -55,7 +55,7 @@ def _key_rows(state: AppState) -> list[dict[str, t.Any]]:
 
 @keys_group.command("status")
 @json_option
-@_store_errors
+@store_errors
 def keys_status(as_json: bool) -> None:
     """List the configured keys and how many live stored responses each one protects.
 
@@ -67,7 +67,7 @@ def keys_status(as_json: bool) -> None:
     rows = _key_rows(state)
     missing = [row for row in rows if row["role"] == "missing"]
     if as_json:
-        _print_json({"keys": rows, "missing": len(missing)})
+        print_json({"keys": rows, "missing": len(missing)})
     else:
         header = ["KEY ID", "ROLE", "LIVE RECORDS", "LAST EXPIRES"]
         table = [
@@ -79,10 +79,10 @@ def keys_status(as_json: bool) -> None:
             ]
             for row in rows
         ]
-        click.echo(_table(header, table))
+        click.echo(format_table(header, table))
         if missing:
             click.echo(
-                f"{_plural(sum(row['live_records'] for row in missing), 'live record')} "
+                f"{plural(sum(row['live_records'] for row in missing), 'live record')} "
                 "cannot be replayed: put the missing keys back into IDEMPOTENCY_ENCRYPTION_KEYS",
                 err=True,
             )
@@ -93,7 +93,7 @@ def keys_status(as_json: bool) -> None:
 @keys_group.command("can-retire")
 @click.argument("key_id")
 @json_option
-@_store_errors
+@store_errors
 def keys_can_retire(key_id: str, as_json: bool) -> None:
     """Tell whether KEY_ID can be removed from IDEMPOTENCY_ENCRYPTION_KEYS.
 
@@ -110,7 +110,7 @@ def keys_can_retire(key_id: str, as_json: bool) -> None:
     found = next((row for row in _key_rows(state) if row["key_id"] == key_id), None)
     live = 0 if found is None else found["live_records"]
     if as_json:
-        _print_json(
+        print_json(
             {
                 "key_id": key_id,
                 "can_retire": live == 0,
@@ -123,7 +123,7 @@ def keys_can_retire(key_id: str, as_json: bool) -> None:
     else:
         assert found is not None
         click.echo(
-            f"{key_id!r} is still needed: {_plural(live, 'live stored response')} use it; "
+            f"{key_id!r} is still needed: {plural(live, 'live stored response')} use it; "
             f"the last one expires at {found['last_expires_at']}"
         )
     if live:

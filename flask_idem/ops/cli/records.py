@@ -13,21 +13,21 @@ from ...state import AppState
 from ...store import operator_store, trail
 from ...store.trail import AuditEntry
 from .common import (
-    _KEY_HELP,
     ENDPOINT_SPELLING,
-    _age,
-    _key_lookup,
-    _lease,
-    _not_found,
-    _pairs,
-    _plural,
-    _print_json,
-    _read_key,
-    _store_errors,
-    _table,
+    KEY_HELP,
+    age_of,
+    format_pairs,
+    format_table,
     idem_group,
     json_option,
     key_hash_argument,
+    key_lookup,
+    lease_of,
+    not_found,
+    plural,
+    print_json,
+    read_key,
+    store_errors,
 )
 
 
@@ -41,7 +41,7 @@ from .common import (
     "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="Records to list."
 )
 @json_option
-@_store_errors
+@store_errors
 def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
     """List stuck requests (lease expired, outcome unknown, or reopened and not retried).
 
@@ -51,7 +51,7 @@ def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
     """
     records = operator_store(AppState.current().store, "flask idem stuck").stuck(limit=limit)
     if as_json:
-        _print_json(record_schema(bodies=False, keys=show_keys, many=True).dump(records))
+        print_json(record_schema(bodies=False, keys=show_keys, many=True).dump(records))
         return
     if not records:
         click.echo("no stuck records")
@@ -59,20 +59,20 @@ def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
     header = ["AGE", "STATE", "LEASE", "TENANT", "ENDPOINT", "KEY" if show_keys else "KEY HASH"]
     rows = [
         [
-            _age(record),
+            age_of(record),
             record.state.value,
-            _lease(record),
+            lease_of(record),
             record.scope.tenant,
             record.scope.endpoint,
             record.scope.key if show_keys else key_hash(record.scope),
         ]
         for record in records
     ]
-    click.echo(_table(header, rows))
+    click.echo(format_table(header, rows))
     unknown = sum(record.state is State.UNKNOWN for record in records)
     reopened = sum(record.state is State.REOPENED for record in records)
     summary = (
-        f"{_plural(len(records), 'stuck record')}: {len(records) - unknown - reopened} in "
+        f"{plural(len(records), 'stuck record')}: {len(records) - unknown - reopened} in "
         f"progress past the lease, {unknown} unknown"
     )
     if reopened:
@@ -82,10 +82,10 @@ def stuck(show_keys: bool, limit: int, as_json: bool) -> None:
     click.echo(summary)
 
 
-@idem_group.command(epilog=_KEY_HELP)
-@_key_lookup
+@idem_group.command(epilog=KEY_HELP)
+@key_lookup
 @json_option
-@_store_errors
+@store_errors
 def show(hashed: str | None, tenant: str, endpoint: str | None, as_json: bool) -> None:
     """Show the records of a key (state, times, stored status).
 
@@ -96,22 +96,22 @@ def show(hashed: str | None, tenant: str, endpoint: str | None, as_json: bool) -
     state = AppState.current()
     store = operator_store(state.store, "flask idem show")
     if hashed is None:
-        records = store.find(tenant, _read_key(), endpoint)
+        records = store.find(tenant, read_key(), endpoint)
     else:
         records = store.find_hashed(tenant, hashed, endpoint)
     schema = record_schema(bodies=state.settings.inspect_bodies, keys=False, many=True)
     if as_json:
-        _print_json(schema.dump(records))
+        print_json(schema.dump(records))
     elif records:
-        click.echo("\n\n".join(_pairs(dumped) for dumped in schema.dump(records)))
+        click.echo("\n\n".join(format_pairs(dumped) for dumped in schema.dump(records)))
     if not records:
-        raise _not_found(hashed, "for this tenant")
+        raise not_found(hashed, "for this tenant")
 
 
-@idem_group.command(epilog=_KEY_HELP)
-@_key_lookup
+@idem_group.command(epilog=KEY_HELP)
+@key_lookup
 @json_option
-@_store_errors
+@store_errors
 def history(hashed: str | None, tenant: str, endpoint: str | None, as_json: bool) -> None:
     """Print the audit trail of a key: every transition of its records, oldest first.
 
@@ -121,13 +121,13 @@ def history(hashed: str | None, tenant: str, endpoint: str | None, as_json: bool
     """
     store = operator_store(AppState.current().store, "flask idem history")
     if hashed is None:
-        entries = store.history(tenant, _read_key(), endpoint)
+        entries = store.history(tenant, read_key(), endpoint)
     else:
         entries = store.history_hashed(tenant, hashed, endpoint)
     if as_json:
-        _print_json([entry.as_json() for entry in entries])
+        print_json([entry.as_json() for entry in entries])
     elif entries:
-        click.echo(_table(_HISTORY_HEADER, [_history_row(entry) for entry in entries]))
+        click.echo(format_table(_HISTORY_HEADER, [_history_row(entry) for entry in entries]))
     if not entries:
         note = "" if store.audit else " (IDEMPOTENCY_AUDIT is off)"
         raise click.ClickException(f"no audit rows of this key for this tenant{note}")
@@ -150,7 +150,7 @@ def _history_row(entry: AuditEntry) -> list[str]:
     ]
 
 
-@idem_group.command(epilog=_KEY_HELP)
+@idem_group.command(epilog=KEY_HELP)
 @key_hash_argument
 @click.option("--tenant", required=True, help="The tenant the key belongs to.")
 @click.option("--endpoint", required=True, help=f"The endpoint, {ENDPOINT_SPELLING}")
@@ -163,7 +163,7 @@ def _history_row(entry: AuditEntry) -> list[str]:
 )
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @json_option
-@_store_errors
+@store_errors
 def release(
     hashed: str | None, tenant: str, endpoint: str, not_happened: bool, yes: bool, as_json: bool
 ) -> None:
@@ -178,19 +178,19 @@ def release(
     """
     store = operator_store(AppState.current().store, "flask idem release")
     if hashed is None:
-        record = store.get(Scope(tenant, endpoint, _read_key()))
+        record = store.get(Scope(tenant, endpoint, read_key()))
     else:
         found = store.find_hashed(tenant, hashed, endpoint)
         record = found[-1] if found else None  # the newest, as get() returns it
     if record is None:
-        raise _not_found(hashed, "for this tenant and endpoint")
+        raise not_found(hashed, "for this tenant and endpoint")
     scope = record.scope
     if not (record.state is State.UNKNOWN or record.lease_expired):
         raise click.ClickException(_refusal(record))
     if not yes:
         click.echo(
             f"{endpoint} for {tenant}, key hash {key_hash(scope)}: {record.state.value}, "
-            f"{_age(record)} old. The next retry runs it again as the same operation (same "
+            f"{age_of(record)} old. The next retry runs it again as the same operation (same "
             "downstream keys).",
             err=True,
         )
@@ -214,7 +214,7 @@ def release(
     )
     if as_json:
         released = record_schema(bodies=False, keys=False).dump(record)
-        _print_json({"released": True, "action": "reopened", "record": released})
+        print_json({"released": True, "action": "reopened", "record": released})
     else:
         click.echo(f"reopened {endpoint} for {tenant}, key hash {key_hash(scope)}")
 

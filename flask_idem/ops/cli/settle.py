@@ -13,17 +13,23 @@ from ...core.idempotency_keys import key_hash
 from ...core.serialization import record_schema
 from ...state import AppState
 from ...store import operator_store
-from ..downstream import AuditReport, Discrepancy, DownstreamRecord, Finding, audit
+from ..downstream import (
+    Discrepancy,
+    DiscrepancyKind,
+    DownstreamRecord,
+    DownstreamReport,
+    check_downstream,
+)
 from ..reconcile import Action, Settlement, reconcile
 from .common import (
     PROGRESS_AFTER,
-    _age,
-    _plural,
-    _print_json,
-    _store_errors,
-    _table,
+    age_of,
+    format_table,
     idem_group,
     json_option,
+    plural,
+    print_json,
+    store_errors,
 )
 
 
@@ -36,7 +42,7 @@ from .common import (
     help="Stuck records to reconcile in this run, oldest first.",
 )
 @json_option
-@_store_errors
+@store_errors
 def reconcile_command(limit: int, as_json: bool) -> None:
     """Settle stuck records with the registered reconcilers.
 
@@ -55,7 +61,7 @@ def reconcile_command(limit: int, as_json: bool) -> None:
     for settlement in settlements:
         counts[settlement.action] += 1
     if as_json:
-        _print_json(
+        print_json(
             {
                 **{action.value: count for action, count in counts.items()},
                 "records": [_settlement_json(settlement) for settlement in settlements],
@@ -82,7 +88,7 @@ def reconcile_command(limit: int, as_json: bool) -> None:
     help="Seconds read beyond the day on both sides, to match operations across midnight.",
 )
 @json_option
-@_store_errors
+@store_errors
 def audit_downstream(day: dt.datetime | None, margin: float, as_json: bool) -> None:
     """Compare a day of records with what downstream services recorded.
 
@@ -101,16 +107,16 @@ def audit_downstream(day: dt.datetime | None, margin: float, as_json: bool) -> N
             "so their operations would be reported as unmatched",
             err=True,
         )
-    report = audit(start, start + dt.timedelta(days=1), margin=margin)
+    report = check_downstream(start, start + dt.timedelta(days=1), margin=margin)
     if as_json:
-        _print_json(_audit_json(report))
+        print_json(_report_json(report))
     else:
-        click.echo(_audit_text(report))
+        click.echo(_report_text(report))
     if report.discrepancies:
         click.get_current_context().exit(1)
 
 
-def _audit_json(report: AuditReport) -> dict[str, t.Any]:
+def _report_json(report: DownstreamReport) -> dict[str, t.Any]:
     def operation(op: DownstreamRecord) -> dict[str, t.Any]:
         return {
             "id": op.id,
@@ -134,25 +140,25 @@ def _audit_json(report: AuditReport) -> dict[str, t.Any]:
         "end": report.end.isoformat(),
         "records": report.records,
         "operations": report.operations,
-        **{finding.value: report.count(finding) for finding in Finding},
+        **{finding.value: report.count(finding) for finding in DiscrepancyKind},
         "discrepancies": [discrepancy(found) for found in report.discrepancies],
     }
 
 
 _FINDING_TEXT = {
-    Finding.UNMATCHED: "no record derives its downstream key (made behind the extension)",
-    Finding.DUPLICATE: "one record, more than one downstream operation",
-    Finding.UNKNOWN: "the record is unknown but the service shows it done: reconcile it",
+    DiscrepancyKind.UNMATCHED: "no record derives its downstream key (made behind the extension)",
+    DiscrepancyKind.DUPLICATE: "one record, more than one downstream operation",
+    DiscrepancyKind.UNKNOWN: "the record is unknown but the service shows it done: reconcile it",
 }
 
 
-def _audit_text(report: AuditReport) -> str:
+def _report_text(report: DownstreamReport) -> str:
     summary = (
-        f"audited {report.start:%Y-%m-%d}: {_plural(report.records, 'record')}, "
-        f"{_plural(report.operations, 'downstream operation')}; "
-        f"{report.count(Finding.UNMATCHED)} unmatched, "
-        f"{report.count(Finding.DUPLICATE)} duplicate, "
-        f"{report.count(Finding.UNKNOWN)} unknown but done"
+        f"audited {report.start:%Y-%m-%d}: {plural(report.records, 'record')}, "
+        f"{plural(report.operations, 'downstream operation')}; "
+        f"{report.count(DiscrepancyKind.UNMATCHED)} unmatched, "
+        f"{report.count(DiscrepancyKind.DUPLICATE)} duplicate, "
+        f"{report.count(DiscrepancyKind.UNKNOWN)} unknown but done"
     )
     if not report.discrepancies:
         return summary
@@ -167,7 +173,7 @@ def _audit_text(report: AuditReport) -> str:
         ]
         for found in report.discrepancies
     ]
-    table = _table(["FINDING", "OPERATIONS", "TENANT", "ENDPOINT", "KEY HASH", "WHAT"], rows)
+    table = format_table(["FINDING", "OPERATIONS", "TENANT", "ENDPOINT", "KEY HASH", "WHAT"], rows)
     return f"{summary}\n\n{table}"
 
 
@@ -178,7 +184,7 @@ def _settlement_json(settlement: Settlement) -> dict[str, t.Any]:
 
 def _reconcile_text(settlements: list[Settlement], counts: dict[Action, int]) -> str:
     summary = (
-        f"reconciled {_plural(len(settlements), 'stuck record')}: "
+        f"reconciled {plural(len(settlements), 'stuck record')}: "
         f"{counts[Action.COMPLETED]} completed, {counts[Action.REOPENED]} reopened, "
         f"{counts[Action.UNKNOWN]} still unknown"
     )
@@ -189,7 +195,7 @@ def _reconcile_text(settlements: list[Settlement], counts: dict[Action, int]) ->
         return summary
     rows = [
         [
-            _age(s.record),
+            age_of(s.record),
             s.record.scope.tenant,
             s.record.scope.endpoint,
             key_hash(s.record.scope),
@@ -197,5 +203,5 @@ def _reconcile_text(settlements: list[Settlement], counts: dict[Action, int]) ->
         ]
         for s in unknown
     ]
-    table = _table(["AGE", "TENANT", "ENDPOINT", "KEY HASH", "WHY"], rows)
+    table = format_table(["AGE", "TENANT", "ENDPOINT", "KEY HASH", "WHY"], rows)
     return f"{summary}\n\nstill unknown:\n{table}"

@@ -11,11 +11,11 @@ from ...state import AppState
 from ...store import citus, operator_store
 from .. import check
 from .common import (
-    _plural,
-    _print_json,
-    _store_errors,
     idem_group,
     json_option,
+    plural,
+    print_json,
+    store_errors,
 )
 
 
@@ -28,7 +28,7 @@ from .common import (
 )
 @click.option("--dry-run", is_flag=True, help="Only print what would be done.")
 @json_option
-@_store_errors
+@store_errors
 def maintain(ahead: int | None, dry_run: bool, as_json: bool) -> None:
     """Create partitions ahead; drop and purge expired records.
 
@@ -46,7 +46,7 @@ def maintain(ahead: int | None, dry_run: bool, as_json: bool) -> None:
             dumped = {k: v for k, v in dumped.items() if not k.startswith("audit_")}
         if store.archive is None or store.dialect != "postgresql":
             dumped = {k: v for k, v in dumped.items() if not k.startswith("archive")}
-        _print_json({"dialect": store.dialect, **dumped})
+        print_json({"dialect": store.dialect, **dumped})
     else:
         partitioned = store.dialect == "postgresql"
         click.echo(
@@ -80,7 +80,7 @@ def check_command(as_json: bool) -> None:
         listed = [
             {"check": f.check, "status": f.status.value, "detail": f.detail} for f in findings
         ]
-        _print_json({"ok": not failed, "checks": listed})
+        print_json({"ok": not failed, "checks": listed})
     else:
         for finding in findings:
             click.echo(f"{finding.status.value:<8}{finding.check}: {finding.detail}")
@@ -108,16 +108,16 @@ def _maintenance_text(
             done_to_partitions.append((verb[1], report.dropped, ""))
         for done, names, where in done_to_partitions:
             listed = f": {', '.join(names)}" if names else ""
-            lines.append(f"{done} {_plural(len(names), 'partition')}{where}{listed}")
-    lines.append(f"{verb[2]} {_plural(report.purged, 'expired row')}")
+            lines.append(f"{done} {plural(len(names), 'partition')}{where}{listed}")
+    lines.append(f"{verb[2]} {plural(report.purged, 'expired row')}")
     if audited:
         if partitioned:
             for done, names in zip(
                 verb[:2], (report.audit_created, report.audit_dropped), strict=True
             ):
                 listed = f": {', '.join(names)}" if names else ""
-                lines.append(f"audit: {done} {_plural(len(names), 'partition')}{listed}")
-        lines.append(f"audit: {verb[2]} {_plural(report.audit_purged, 'row')} past the retention")
+                lines.append(f"audit: {done} {plural(len(names), 'partition')}{listed}")
+        lines.append(f"audit: {verb[2]} {plural(report.audit_purged, 'row')} past the retention")
     return "\n".join(lines)
 
 
@@ -129,7 +129,7 @@ def _maintenance_text(
 )
 @click.option("--dry-run", is_flag=True, help="Only print the SQL that would run.")
 @json_option
-@_store_errors
+@store_errors
 def citus_command(colocate_with: str | None, dry_run: bool, as_json: bool) -> None:
     """Distribute the store over Citus, by tenant (see docs/citus.md).
 
@@ -147,7 +147,7 @@ def citus_command(colocate_with: str | None, dry_run: bool, as_json: bool) -> No
         # Show the whole plan, for review before Citus is there; running it is refused.
         steps, note = citus.full_plan(colocate_with), str(exc)
     if as_json:
-        _print_json(
+        print_json(
             {
                 "dry_run": dry_run,
                 "steps": [{"reason": s.reason, "sql": s.rendered()} for s in steps],
@@ -164,7 +164,7 @@ def citus_command(colocate_with: str | None, dry_run: bool, as_json: bool) -> No
 
 
 @idem_group.command("metrics")
-@_store_errors
+@store_errors
 def metrics_command() -> None:
     """Print the table's gauges in Prometheus text format (for a textfile collector).
 
