@@ -30,7 +30,6 @@ from werkzeug.exceptions import InternalServerError
 from .. import jobs
 from ..attempt import Attempt
 from ..commits import guard_commits
-from ..core.body import read_body
 from ..core.config import EXTENSION_NAME, Settings
 from ..core.errors import ConfigurationError, JobRefused, StoreUnavailable
 from ..core.idempotency_keys import derive_key
@@ -53,6 +52,7 @@ from ..sessions import FlaskSQLAlchemySessions, resolve, watch_unmanaged
 from ..state import AppState
 from ..store import OperatorStore, RequestStore, Store, create_store, operator_store
 from . import flow, guard
+from .body import read_body
 from .inspection import create_blueprint
 from .key_limit import KeyLimiter
 

@@ -95,7 +95,6 @@ from werkzeug.wrappers import Response
 
 from ..attempt import OUTCOMES, Attempt, Ending, Failure, Found, Phase
 from ..core import signals
-from ..core.body import read_body
 from ..core.config import Settings
 from ..core.errors import StoreUnavailable
 from ..core.fingerprint import fingerprint as canonical_fingerprint
@@ -117,6 +116,7 @@ from ..core.wire import REPLAYED_HEADER, RETENTION_HEADER, STORED_HEADER
 from ..sessions import has_unmanaged_writes
 from ..state import AppState
 from ..store import redacted, translate_errors
+from .body import read_body
 from .key_limit import KeyLimit
 
 _WAIT_STEP = 0.05

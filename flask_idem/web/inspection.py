@@ -47,7 +47,6 @@ from flask import Blueprint, current_app, request
 from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException
 
-from ..core.body import read_body
 from ..core.errors import StoreUnavailable
 from ..core.idempotency_keys import InvalidKey, normalize, read_key
 from ..core.problem import (
@@ -63,6 +62,7 @@ from ..core.scopes import PrincipalInvalid, endpoint_of, resolve_principal, spli
 from ..core.serialization import request_schema
 from ..state import AppState
 from ..store import operator_store
+from .body import read_body
 
 if t.TYPE_CHECKING:
     from .extension import Idempotency

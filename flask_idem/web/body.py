@@ -20,7 +20,7 @@ import urllib.parse
 
 from werkzeug.exceptions import ClientDisconnected
 
-from .problem import InternalError, RequestBodyIncomplete, RequestBodyTooLarge
+from ..core.problem import InternalError, RequestBodyIncomplete, RequestBodyTooLarge
 
 if t.TYPE_CHECKING:
     from flask import Request
