@@ -154,7 +154,10 @@ class LeaseKeeper:
         """Renew one lease now; False when it was lost (taken over or finished: stop renewing).
 
         A failing store is no loss: the next tick tries again. The owner's own completion is
-        fenced by its token, so it learns of a loss there.
+        fenced by its token, so it learns of a loss there. Any other error (a custom store's
+        bug, a driver raising what the store does not translate) is logged and tried again
+        too: it must never end the thread, or every lease in the process would run out under
+        requests that still run, and a ``recovery="reexecute"`` retry would take them over.
         """
         record = watch.record
         assert record.claim_token is not None
@@ -165,11 +168,18 @@ class LeaseKeeper:
         except StoreUnavailable as exc:
             log.warning("lease renewal failed; retrying", exc_info=redacted(exc))
             return True
+        except Exception as exc:
+            log.error("lease renewal raised; retrying", exc_info=redacted(exc))
+            return True
 
     def _give_back(self, entry: GiveBack) -> None:
         try:
             released = self.store.release(entry.scope, entry.token)
         except StoreUnavailable:
+            self._again(entry, entry.until)
+            return
+        except Exception as exc:  # never the thread's end: see renew()
+            log.error("giving a claim back raised; retrying", exc_info=redacted(exc))
             self._again(entry, entry.until)
             return
         if released:
