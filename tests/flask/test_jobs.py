@@ -348,3 +348,93 @@ def test_a_job_claims_under_its_own_lease_else_the_applications(
         charge_order("alpha", "order-1")
         refund_order("alpha", "order-1")
     assert 100 < held[0] <= 120 and 0 < held[1] <= 1, held
+
+
+def test_a_jobs_takeover_holds_its_own_lease(app: flask.Flask, store: SQLStore) -> None:
+    """A redelivery that takes over a job's unknown record (``recovery="reexecute"``) holds
+    the job's ``lease=``, as its first claim did, not ``IDEMPOTENCY_LEASE`` (1 s here)."""
+    idem, held = _idem(app), []
+
+    @idem.job("charge-order", key="order_id", tenant="merchant", lease=120, recovery="reexecute")
+    def charge_order(merchant: str, order_id: str) -> None:
+        record = _record(store, order_id)
+        assert record is not None
+        held.append(record.lease_remaining)
+        idem.downstream_key("charge")
+        if len(held) == 1:
+            raise RuntimeError("the provider timed out after the charge")
+
+    with app.app_context():
+        with pytest.raises(RuntimeError):
+            charge_order("alpha", "order-1")
+        assert _record(store).state is State.UNKNOWN  # type: ignore[union-attr]
+        charge_order("alpha", "order-1")  # taken over
+    assert len(held) == 2 and all(100 < lease <= 120 for lease in held), held
+
+
+@pytest.mark.parametrize("release_before_contact", [False, True])
+def test_a_job_interrupted_between_its_claim_and_its_run_gives_its_key_up(
+    app: flask.Flask, store: SQLStore, release_before_contact: bool
+) -> None:
+    """An interrupt (SIGINT: KeyboardInterrupt) between the claim and the job's first line
+    gives the key up, released when nothing can have happened yet, else ``unknown``: never left
+    in progress under a lease the worker's keeper renews for as long as the worker lives,
+    which would refuse every redelivery."""
+    idem, runs = _idem(app), []
+
+    @idem.job(
+        "charge-order",
+        key="order_id",
+        tenant="merchant",
+        release_before_contact=release_before_contact,
+    )
+    def charge_order(merchant: str, order_id: str) -> None:
+        runs.append(order_id)
+
+    def interrupt(_sender: t.Any, **_: t.Any) -> None:
+        raise KeyboardInterrupt  # the observers swallow an Exception, not this
+
+    with app.app_context():
+        with signals.claimed.connected_to(interrupt), pytest.raises(KeyboardInterrupt):
+            charge_order("alpha", "order-1")
+        record = _record(store)
+        if release_before_contact:
+            assert record is None
+            charge_order("alpha", "order-1")  # the redelivery runs
+            assert runs == ["order-1"]
+        else:
+            assert record is not None and record.state is State.UNKNOWN
+            with pytest.raises(JobOutcomePending):
+                charge_order("alpha", "order-1")
+            assert runs == []
+
+
+class _Unencodable(dict):  # type: ignore[type-arg]
+    """A job result whose encoding raises what the result snapshot does not catch."""
+
+    def items(self) -> t.Any:
+        raise OSError("encoding failed")
+
+    def __iter__(self) -> t.Any:
+        raise OSError("encoding failed")
+
+
+def test_a_job_failing_after_its_end_is_left_to_its_lease(
+    app: flask.Flask, store: SQLStore
+) -> None:
+    """A job that ran to its end and then failed while its result was recorded (the lease
+    no longer renewed) keeps the key in progress until that lease runs out: it may have
+    done everything, so no redelivery runs it meanwhile (``JobInProgress``)."""
+    idem = _idem(app)
+
+    @idem.job("charge-order", key="order_id", tenant="merchant", lease=120)
+    def charge_order(merchant: str, order_id: str) -> t.Any:
+        return _Unencodable(charged=True)
+
+    with app.app_context():
+        with pytest.raises(OSError):
+            charge_order("alpha", "order-1")
+        record = _record(store)
+        assert record is not None and record.state is State.IN_PROGRESS
+        with pytest.raises(JobInProgress):
+            charge_order("alpha", "order-1")
