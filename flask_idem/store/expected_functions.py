@@ -60,6 +60,12 @@ EXPECTED_FUNCTIONS: tuple[ExpectedFunction, ...] = (
         f"idempotency_claim_atomic({_ARGUMENTS})",
         "8cd32c562fb7fc620c0763d9e99d582be5b043d55df377ca339e8851b43ff3b1",
     ),
+    # Checked for every record written (the constraint ck_idempotency_keys_commit_flushed,
+    # revision 0013): on Citus its transaction commits flushed, so a shard move keeps it.
+    ExpectedFunction(
+        "idempotency_commit_flushed()",
+        "36e4448dd3ed0f7622734c25a50a87b795e636a40f6e26c7eb8f2f52148d6364",
+    ),
     # Partition upkeep of the keys (revisions 0003 and 0002) and of the audit trail (0005).
     ExpectedFunction(
         "idempotency_create_partitions(integer,boolean,integer)",

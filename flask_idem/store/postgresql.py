@@ -47,8 +47,10 @@ Citus
     (the atomic claim, which Citus does not delegate inside a transaction block, from migration
     0009; the durable one from 0010), so that claims through any node exclude each other, during
     a shard move too. Every other statement is a single-tenant one Citus routes to one shard, and
-    none returns a non-immutable expression (``tests/store/test_citus.py`` checks both). See
-    ``docs/citus.md``.
+    none returns a non-immutable expression (``tests/store/test_citus.py`` checks both). A
+    transaction that writes a record commits flushed on the node holding it (a check
+    constraint, migration 0013), or a shard move by logical replication could leave the write
+    behind. See ``docs/citus.md``.
 
 Partitions
     ``idempotency_create_partitions(ahead)`` creates the current and ``ahead`` next partitions

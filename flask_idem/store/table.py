@@ -4,7 +4,10 @@ The migration in ``migrations/versions`` creates it; this module only describes 
 (and for the test that compares the migrated database with it). On PostgreSQL the table is
 ``PARTITION BY RANGE (created_at)``, which is why the primary key has to include ``created_at``
 and therefore cannot stop a second claim of the same key on its own: the real guard is the
-advisory lock taken by the claim function (see :mod:`flask_idem.store.postgresql`).
+advisory lock taken by the claim function (see :mod:`flask_idem.store.postgresql`). On
+PostgreSQL the migration also adds ``ck_idempotency_keys_commit_flushed`` (revision 0013), a
+check that always holds and makes a transaction writing a record commit flushed on Citus: not
+described here, as no query uses it.
 """
 
 from __future__ import annotations

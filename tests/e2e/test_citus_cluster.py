@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -26,10 +28,10 @@ from flask_idem.core.key_digest import unkeyed
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import empty_store
-from flask_idem.testing.contract import FP, StoreContract
+from flask_idem.testing.contract import FP, RESPONSE, StoreContract
 from tests.support import atomic_app
 from tests.support.citus_cluster import CitusCluster
-from tests.support.helpers import Counter
+from tests.support.helpers import Counter, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 
@@ -649,6 +651,307 @@ def test_durable_claims_through_every_node_during_shard_moves_claim_each_key_onc
     assert not twice, f"{len(twice)} of {len(records)} keys have more than one record"
     assert [key for key, count in winners.items() if count != 1] == [], "one winner per key"
     assert records.keys() == winners.keys()
+
+
+class _Hold:
+    """Where each held write waits, its transaction open and its row written, until the move
+    blocks writes (``release``); the kinds that got there."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.written: list[str] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str) -> None:
+        with self._lock:
+            self.written.append(kind)
+        assert self.release.wait(120), "the held write was never released"
+
+
+def _holding(store: SQLStore, hold: t.Callable[[], None]) -> SQLStore:
+    """``store`` with each primitive in a transaction that commits once ``hold()`` returns:
+    an autocommitted statement cannot be held open, a transaction around the same statement
+    can (every statement through ``connect``: no driver shortcut)."""
+    store.use_fast_path(False)
+
+    @contextlib.contextmanager
+    def connect() -> t.Iterator[sa.Connection]:
+        with store.engine.connect() as connection, connection.begin():
+            yield connection
+            hold()
+
+    store.connect = connect  # type: ignore[method-assign]
+    return store
+
+
+@dataclasses.dataclass(frozen=True)
+class _Write:
+    """A write of one record, made before its transaction is held (``prepare``, through the
+    coordinator), made in the held transaction (``write``), and found after the move
+    (``kept``). ``on_worker``: through the tenant's worker (where a delegated claim runs)."""
+
+    prepare: t.Callable[[SQLStore, Scope], t.Any]
+    write: t.Callable[[SQLStore, Scope, t.Any, t.Callable[[], None]], None]
+    kept: t.Callable[[SQLStore, Scope, t.Any], bool]
+    on_worker: bool = False
+
+
+def _claimed(store: SQLStore, scope: Scope) -> str:
+    return store.claim(scope, FP, ttl=600, lease=30).token
+
+
+def _unknown(store: SQLStore, scope: Scope) -> str:
+    token = _claimed(store, scope)
+    assert store.mark_unknown(scope, token)
+    return token
+
+
+def _lapsed(store: SQLStore, scope: Scope) -> str:
+    token = _claimed(store, scope)
+    shift(store, scope, 31, "lease_expires_at")
+    return token
+
+
+def _claim(store: SQLStore, scope: Scope, _: None, hold: t.Callable[[], None]) -> None:
+    assert _holding(store, hold).claim(scope, FP, ttl=600, lease=30).claimed
+
+
+def _atomic(store: SQLStore, scope: Scope, _: None, hold: t.Callable[[], None]) -> None:
+    connection = store.begin()
+    try:
+        claimed = store.claim_atomic(connection, scope, FP, ttl=600)
+        assert claimed is not None and claimed.reservation is not None
+        assert claimed.reservation.complete(RESPONSE)
+        hold()
+        connection.commit()
+    finally:
+        connection.close()
+
+
+def _complete(store: SQLStore, scope: Scope, token: str, hold: t.Callable[[], None]) -> None:
+    connection = store.begin()
+    try:
+        assert store.complete(scope, token, RESPONSE, connection=connection)
+        hold()
+        connection.commit()
+    finally:
+        connection.close()
+
+
+def _renew(store: SQLStore, scope: Scope, token: str, hold: t.Callable[[], None]) -> None:
+    assert _holding(store, hold).renew(scope, token, lease=600)
+
+
+def _mark_unknown(store: SQLStore, scope: Scope, token: str, hold: t.Callable[[], None]) -> None:
+    assert _holding(store, hold).mark_unknown(scope, token)
+
+
+def _take_over(store: SQLStore, scope: Scope, token: str, hold: t.Callable[[], None]) -> None:
+    assert _holding(store, hold).take_over(scope, token, lease=600) is not None
+
+
+def _resolve(store: SQLStore, scope: Scope, token: str, hold: t.Callable[[], None]) -> None:
+    assert _holding(store, hold).resolve(scope, RESPONSE, token=token)
+
+
+def _reopen(store: SQLStore, scope: Scope, token: str, hold: t.Callable[[], None]) -> None:
+    assert _holding(store, hold).reopen(scope, token=token)
+
+
+def _in_state(state: str) -> t.Callable[[SQLStore, Scope, t.Any], bool]:
+    def kept(store: SQLStore, scope: Scope, _: t.Any) -> bool:
+        record = store.get(scope)
+        return record is not None and record.state.value == state
+
+    return kept
+
+
+def _renewed(store: SQLStore, scope: Scope, _: str) -> bool:
+    record = store.get(scope)
+    assert record is not None and record.lease_expires_at is not None
+    return (record.lease_expires_at - record.now).total_seconds() > 300
+
+
+def _taken_over(store: SQLStore, scope: Scope, token: str) -> bool:
+    record = store.get(scope)
+    return record is not None and record.claim_token != token
+
+
+def _nothing(_store: SQLStore, _scope: Scope) -> None:
+    return None
+
+
+#: Every kind of write of a record, by the path it takes to the tenant's worker.
+_WRITES = {
+    "durable claim on the tenant's worker": _Write(
+        _nothing, _claim, _in_state("in_progress"), on_worker=True
+    ),
+    "durable claim run on the coordinator": _Write(_nothing, _claim, _in_state("in_progress")),
+    "atomic claim and its record on the tenant's worker": _Write(
+        _nothing, _atomic, _in_state("completed"), on_worker=True
+    ),
+    "completion in the view's transaction": _Write(_claimed, _complete, _in_state("completed")),
+    "lease renewal": _Write(_claimed, _renew, _renewed),
+    "unknown outcome": _Write(_claimed, _mark_unknown, _in_state("unknown")),
+    "take-over": _Write(_lapsed, _take_over, _taken_over),
+    "operator's resolve": _Write(_unknown, _resolve, _in_state("completed")),
+    "operator's reopen": _Write(_unknown, _reopen, _in_state("reopened")),
+}
+
+
+def _move_blocks_writes(citus_server: CitusCluster, database: str, source: int) -> bool:
+    """Whether the move waits for a write's lock: its own on the coordinator, or its
+    ``lock_shard_metadata`` on the source worker."""
+    waiting = (
+        (citus_server.coordinator, "citus_move_shard_placement"),
+        (next(w for w in citus_server.workers if w.port == source), "lock_shard_metadata"),
+    )
+    return any(
+        citus_server.run(
+            node,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            f"AND position('{query}' in query) > 0",
+            database,
+        )[0][0]
+        for node, query in waiting
+    )
+
+
+def _wait_for(condition: t.Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+#: Rounds each write must have been held into a move's block.
+_HELD_ROUNDS = 3
+
+
+def _replicating(citus_server: CitusCluster, worker: t.Any, database: str) -> bool:
+    """Whether a move's replication slot on ``worker`` streams (the copy is over)."""
+    return bool(
+        citus_server.run(
+            worker,
+            "SELECT count(*) FROM pg_replication_slots WHERE active AND "
+            "position('citus_shard_move_slot' in slot_name) > 0",
+            database,
+        )[0][0]
+    )
+
+
+def _move_with_writes_held(
+    citus_server: CitusCluster, url: str, store: SQLStore, shard: int, scopes: dict[str, Scope]
+) -> dict[str, bool]:
+    """Move ``shard``'s group to the other worker by logical replication with every write of
+    ``_WRITES`` held into the move's block: made once the move copies, in a transaction left
+    open until the move blocks writes, then committed. For each write held, whether it is in
+    the table after the move (a write made after the block began waited it out: none)."""
+    database = sa.make_url(url).database
+    assert database is not None
+    source = int(
+        _sql(url, "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid = :s", s=shard)[0][0]
+    )
+    worker = next(w for w in citus_server.workers if w.port == source)
+    target = next(w.port for w in citus_server.workers if w.port != source)
+    prepared = {kind: write.prepare(store, scopes[kind]) for kind, write in _WRITES.items()}
+    hold = _Hold()
+    # Stores without the store's deadline: a held transaction outlives it.
+    stores = {
+        kind: create_store(
+            sa.create_engine(
+                citus_server.url(worker, database) if write.on_worker else url,
+                poolclass=sa.pool.NullPool,
+            )
+        )
+        for kind, write in _WRITES.items()
+    }
+    move = (
+        f"SELECT citus_move_shard_placement({shard}, '127.0.0.1', {source}, '127.0.0.1', "
+        f"{target}, shard_transfer_mode => 'force_logical')"
+    )
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1 + len(_WRITES)) as pool:
+            moved = pool.submit(citus_server.run, citus_server.coordinator, move, database)
+            # Not before: creating the replication slot waits for every open transaction.
+            _wait_for(lambda: _replicating(citus_server, worker, database), "no replication")
+            writes = [
+                pool.submit(
+                    write.write,
+                    stores[kind],
+                    scopes[kind],
+                    prepared[kind],
+                    functools.partial(hold, kind),
+                )
+                for kind, write in _WRITES.items()
+            ]
+            _wait_for(
+                lambda: moved.done() or _move_blocks_writes(citus_server, database, source),
+                "the move never blocked writes",
+            )
+            held = set() if moved.done() else set(hold.written)
+            hold.release.set()
+            for write in writes:
+                write.result(timeout=120)
+            moved.result(timeout=120)
+    finally:
+        hold.release.set()
+        for held_store in stores.values():
+            held_store.engine.dispose()
+    return {
+        kind: write.kept(store, scopes[kind], prepared[kind])
+        for kind, write in _WRITES.items()
+        if kind in held
+    }
+
+
+@pytest.fixture(scope="module")
+def writes_held_into_moves(citus_server: CitusCluster) -> dict[str, list[bool]]:
+    """For each write of ``_WRITES``, whether it was in the table after each move it was held
+    into, on a database migrated to 0011 and distributed, then upgraded (as a deployment is):
+    one tenant's shard group moves back and forth until every write was held into
+    ``_HELD_ROUNDS`` moves' blocks (in ``2 * _HELD_ROUNDS + 1`` moves at most)."""
+    url = citus_server.create_database("flask_idem_citus_held")
+    upgrade(url, "0011")
+    assert _cli(url, "citus").exit_code == 0
+    upgrade(url)
+    tenant = "held-writes"
+    shard = int(
+        _sql(
+            url,
+            "SELECT get_shard_id_for_distribution_column('idempotency_keys_default', :t)",
+            t=tenant,
+        )[0][0]
+    )
+    store = create_store(url)
+    kept: dict[str, list[bool]] = {kind: [] for kind in _WRITES}
+    try:
+        for round_ in range(2 * _HELD_ROUNDS + 1):
+            if min(len(outcomes) for outcomes in kept.values()) >= _HELD_ROUNDS:
+                break
+            scopes = {kind: Scope(tenant, "POST /p", f"{kind} {round_}") for kind in _WRITES}
+            for kind, found in _move_with_writes_held(
+                citus_server, url, store, shard, scopes
+            ).items():
+                kept[kind].append(found)
+    finally:
+        store.engine.dispose()
+    return kept
+
+
+@pytest.mark.parametrize("kind", list(_WRITES))
+def test_a_write_committed_as_a_move_blocks_writes_survives_the_move(
+    writes_held_into_moves: dict[str, list[bool]], kind: str
+) -> None:
+    """A move by logical replication reads the source's WAL position once it has blocked
+    writes and switches when its subscriptions have applied that much: a write committed
+    asynchronously (the suite's nodes run with ``synchronous_commit = off``) just before was
+    not written yet, and stayed on the old placement (a claim answered "claimed" lost its
+    record, a completion its response). Every write of a record commits flushed on Citus
+    (migration 0013): each is in the table after every move it was held into."""
+    outcomes = writes_held_into_moves[kind]
+    assert len(outcomes) >= _HELD_ROUNDS, f"held into {len(outcomes)} moves' blocks"
+    assert all(outcomes), f"in the table after {sum(outcomes)} of {len(outcomes)} moves"
 
 
 def test_force_delegation_of_the_atomic_claim_makes_citus_refuse_it(

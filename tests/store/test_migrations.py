@@ -22,6 +22,7 @@ FUNCTIONS = {
     "idempotency_claim",
     "idempotency_claim_atomic",
     "idempotency_claim_reserve",
+    "idempotency_commit_flushed",
     "idempotency_create_partitions",
     "idempotency_drop_expired_partitions",
     "idempotency_audit_partitions",
@@ -48,7 +49,7 @@ def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool
 
 
 #: The newest revision.
-HEAD = "0012"
+HEAD = "0013"
 
 
 def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:
@@ -186,6 +187,84 @@ def test_upgrade_from_0007_drops_the_key_index_and_finds_keys_by_primary_key(
             assert not replay.claimed and replay.record.response == RESPONSE
     finally:
         engine.dispose()
+
+
+#: Where revision 0013's check holds: the table, each partition, a detached one.
+_FLUSH_CHECKS = sa.text(
+    "SELECT conrelid::regclass::text FROM pg_constraint "
+    "WHERE conname = 'ck_idempotency_keys_commit_flushed' ORDER BY 1"
+)
+
+
+def _partitions(conn: sa.Connection) -> list[str]:
+    return sorted(
+        conn.execute(
+            sa.text(
+                "SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = 'idempotency_keys'::regclass"
+            )
+        ).scalars()
+    )
+
+
+def _commit_setting(store: t.Any, scope: Scope, token: str, *, citus: bool, setting: str) -> str:
+    """``synchronous_commit`` in a transaction that completes ``scope``'s record, after the
+    write, with ``setting`` before it, where Citus is loaded (its ``citus.version`` setting,
+    a placeholder on this server) or not."""
+    connection = store.begin()
+    try:
+        if citus:
+            connection.exec_driver_sql("SET LOCAL citus.version = '13.2-1'")
+        connection.exec_driver_sql(f"SET LOCAL synchronous_commit = {setting}")
+        assert store.complete(scope, token, RESPONSE, connection=connection)
+        return str(connection.exec_driver_sql("SHOW synchronous_commit").scalar_one())
+    finally:
+        connection.rollback()
+        connection.close()
+
+
+def test_upgrade_from_0012_makes_record_writes_commit_flushed_on_citus_only(
+    fresh_pg_database: t.Callable[[], str],
+) -> None:
+    """Revision 0013 adds a check to every partition, new ones too: a transaction that writes
+    a record where Citus is loaded commits flushed (``synchronous_commit`` raised from
+    ``off`` to ``local``, never lowered), elsewhere it commits as configured; a record written
+    under 0012 still answers; the downgrade takes the check from a detached partition too."""
+    url = fresh_pg_database()
+    upgrade(url, "0012")
+    store = create_store(url)
+    try:
+        before = Scope("tenant", "POST /p", "before-0013")
+        first = store.claim(before, FP, ttl=600, lease=30)
+        assert first.claimed and store.complete(before, first.token, RESPONSE)
+        upgrade(url)
+        with store.engine.begin() as conn:
+            partitions = _partitions(conn)
+            assert list(conn.execute(_FLUSH_CHECKS).scalars()) == sorted([TABLE_NAME, *partitions])
+            last = partitions[-2]  # the newest day's (DEFAULT sorts last)
+            conn.exec_driver_sql(f"DROP TABLE {last}")
+        assert store.maintain(ahead=7).created == (last,)
+        with store.engine.connect() as conn:
+            assert last in conn.execute(_FLUSH_CHECKS).scalars().all()
+        replay = store.claim(before, FP, ttl=600, lease=30)
+        assert not replay.claimed and replay.record.response == RESPONSE
+        scope = Scope("tenant", "POST /p", "after-0013")
+        token = store.claim(scope, FP, ttl=600, lease=30).token
+        # Without Citus first: a placeholder setting, once made, stays in the session.
+        assert _commit_setting(store, scope, token, citus=False, setting="off") == "off"
+        assert _commit_setting(store, scope, token, citus=True, setting="off") == "local"
+        assert _commit_setting(store, scope, token, citus=True, setting="on") == "on"
+        assert _commit_setting(store, scope, token, citus=True, setting="remote_apply") == (
+            "remote_apply"
+        )
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql(f"ALTER TABLE {TABLE_NAME} DETACH PARTITION {last}")
+        downgrade(url, "0012")
+        with store.engine.connect() as conn:
+            assert conn.execute(_FLUSH_CHECKS).all() == []
+        assert "idempotency_commit_flushed" not in _functions(store.engine)
+    finally:
+        store.engine.dispose()
 
 
 def test_runs_beside_an_application_history(fresh_pg_database: t.Callable[[], str]) -> None:
