@@ -17,12 +17,16 @@ business transaction back, and release the key only when the attempt provably co
 nothing: it declared its effects, had not yet declared contact with the outside world, and
 committed nothing itself; else mark it ``unknown``).
 
-Both callers share these decisions: :meth:`~Attempt.meet` (what a found record means),
-:meth:`~Attempt.end_run` (at the end of the run: give the key up, or record) and
-:meth:`~Attempt.record_result` (record it, or name the failure). What a found record or a
+Both callers share these decisions, in the order of a run: :meth:`~Attempt.acquire` (claim,
+or what the record holding the key answers: :meth:`~Attempt.meet`; a view waits for a running
+owner, a job never does), :meth:`~Attempt.run_ended` (how the view or job ended: returned,
+refused, crashed), :meth:`~Attempt.end_run` (then: give the key up, or record) and
+:meth:`~Attempt.record_result` (record it, or name the failure); a run that claimed nothing has
+its business transaction settled by :meth:`~Attempt.settle_unclaimed`. What a found record or a
 failure after the run leads to is one table, :data:`OUTCOMES`: its event, its HTTP answer (a
-view) and its job answer (a job). The callers translate: they render the row, replay a
-completed record, or answer what the run produced. A run that ends without reaching
+view) and its job answer (a job). The callers translate: they render the row (a refusal of
+:class:`Acquired`, a failure of :class:`Recording`), replay a completed record (the
+:attr:`Acquired.replay`), or answer what the run produced. A run that ends without reaching
 :meth:`~Attempt.end_run` (a view's teardown, a job's ``finally``) is decided by
 :meth:`~Attempt.abandon`; a 4xx too large to store is given back by
 :meth:`~Attempt.record_result`: the callers give no key up themselves.
@@ -34,14 +38,15 @@ they report. A completed record's answer is the record itself: a view rebuilds t
 response (the stored headers it keeps, ``replay=``, ``Idempotency-Retention`` from the
 record), a job decodes the stored JSON (and refuses one that is not); as a row it would fill
 none of the columns, only name a branch each adapter keeps anyway. A re-run is no answer but
-a takeover, a store call whose result is the case: the winner holds the key and runs (both
-adapters' ``holding``), the loser is the row :attr:`Found.OVERTAKEN`. So the table covers
-every case that refuses, and only those (a unit test holds it to every other :class:`Found`
-and every :class:`Failure`).
+a takeover, a store call whose result is the case: the winner holds the key and runs (an
+:class:`Acquired` with neither a replay nor a refusal), the loser is the row
+:attr:`Found.OVERTAKEN`. So the table covers every case that refuses, and only those (a unit
+test holds it to every other :class:`Found` and every :class:`Failure`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -104,6 +109,8 @@ log = logging.getLogger("flask_idem")
 #: 409 ``request-in-progress`` hints this many seconds: the lease says when an owner counts
 #: as gone, not when it finishes, and most requests finish within a second.
 IN_FLIGHT_RETRY_AFTER = 1
+#: Seconds between two claims of a view waiting for the owner of its key (``IDEMPOTENCY_WAIT``).
+_WAIT_STEP = 0.05
 
 
 class Phase(enum.Enum):
@@ -134,7 +141,7 @@ class Phase(enum.Enum):
 TRANSITIONS: t.Final[t.Mapping[Phase, frozenset[Phase]]] = {
     Phase.UNCLAIMED: frozenset({Phase.FAILED}),
     Phase.CLAIMING: frozenset({Phase.RUNNING, Phase.FAILED}),
-    # A job goes on from RUNNING to FINISHED: it has no answer of its own to send.
+    # RUNNING -> FINISHED: a run given up before its end was told (:meth:`Attempt.abandon`).
     Phase.RUNNING: frozenset({Phase.ANSWERED, Phase.REFUSED, Phase.CRASHED, Phase.FINISHED}),
     # An exception after the answer (an ``after_request`` hook's) is a crash too.
     Phase.ANSWERED: frozenset({Phase.CRASHED, Phase.FINISHED}),
@@ -456,6 +463,25 @@ OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Acquired:
+    """What a claim came to (:meth:`Attempt.acquire`).
+
+    The attempt runs (neither ``replay`` nor ``refusal``: it holds the key), replays, or is
+    refused.
+    """
+
+    #: The completed record whose result answers (its ``replayed`` event sent).
+    replay: Record | None = None
+    #: The row of :data:`OUTCOMES` that answers instead of a run (its event sent).
+    refusal: Outcome | None = None
+    #: The record the refusal is about (None: a duplicate held an atomic view's scope).
+    record: Record | None = None
+    #: The key was free and a new record holds it now (a takeover is no new key): what a
+    #: tenant's key limit counts.
+    new: bool = False
+
+
 class CommitUncertain(StoreUnavailable):
     """The COMMIT of the result failed: it may have gone through before the answer was lost."""
 
@@ -524,8 +550,8 @@ class Attempt:
     tally: Tally | None = None
     #: How its view or job ended: the phase it left :attr:`Phase.RUNNING` for (``ANSWERED``,
     #: ``REFUSED``, ``CRASHED``), or ``CRASHED`` once code around the guard went on from its
-    #: refusal (:meth:`went_on`); None while it runs, and for a job that went straight to
-    #: ``FINISHED``. A later move (an exception after the answer) keeps it.
+    #: refusal (:meth:`went_on`); None while it runs, and for a run abandoned before its end
+    #: was told (:meth:`run_ended`). A later move (an exception after the answer) keeps it.
     ended: Phase | None = dataclasses.field(default=None, init=False)
     #: True while flask_idem itself commits or rolls the business transaction back: the
     #: commit guard and the session's listeners leave that to it.
@@ -609,6 +635,33 @@ class Attempt:
             self._move(Phase.CRASHED)
         elif self.phase in (Phase.UNCLAIMED, Phase.CLAIMING):
             self._move(Phase.FAILED)
+
+    def run_ended(
+        self,
+        error: BaseException | None = None,
+        *,
+        refused: bool = False,
+        answered: bool = False,
+        status: int | None = None,
+    ) -> None:
+        """Tell the attempt how its view or job ended: one call for both adapters.
+
+        :param error: what it raised; None: it returned. Any exception that is neither a
+            refusal nor an answer is a crash, also when an error handler renders it afterwards.
+        :param refused: ``error`` is the adapter's own refusal (``idem.refuse()`` in this run;
+            never one a nested job raised through it, which is a crash of this run).
+        :param answered: ``error`` is the view's answer (an ``HTTPException``).
+        :param status: that answer's status.
+        """
+        if refused:
+            self.mark_refused()
+            return
+        self.went_on()
+        if error is None or answered:
+            self.mark_answered(raised=status)
+        else:
+            self.mark_crashed()
+            self.trace_failure(error)
 
     def contact(self) -> None:
         """The view or job is about to contact the outside world (``downstream_key()``,
@@ -791,6 +844,25 @@ class Attempt:
                 self._tell_trace("end", self.trace.end)
                 self.trace = None
 
+    def settle_unclaimed(self, status: int | None = None) -> None:
+        """Settle the business transaction of a run that claimed nothing as a claimed one's.
+
+        Rolled back after an exception or a refusal, and on a protected view after a status
+        that is never stored; committed otherwise (the view or job is written for flask_idem
+        to commit it).
+
+        :param status: the status of a view's answer; None: a job's end.
+        :raises StoreUnavailable: the commit failed (nothing was committed).
+        """
+        if self.connection is None and self.session is None:
+            return
+        never_stored = status in self.app_state.settings.never_store
+        if self.phase is Phase.FAILED or (self.options is not None and never_stored):
+            self.rollback_quietly()
+            return
+        with translate_errors():
+            self.commit()
+
     @property
     def releasable(self) -> bool:
         """Whether a failure now provably committed nothing, so the key may be given back."""
@@ -801,6 +873,16 @@ class Attempt:
         if self.contacted or self.options is None:
             return False
         return self.refused or self.options.release_before_contact
+
+    @property
+    def crash_advice(self) -> str:
+        """What the client of a failed run should do next, from what the attempt may have
+        done (a 500's detail)."""
+        if not self.claimed:
+            return "Retry with the same key."  # it failed answering from the record
+        if self.releasable:
+            return "Nothing was recorded for this key; retry with the same key."
+        return "It may have had an effect; retry with the same key, never a new one."
 
     @property
     def echoed_key(self) -> str | None:
@@ -843,7 +925,7 @@ class Attempt:
         """Claim the key for :attr:`ttl`, under :attr:`lease`: None when the attempt now holds
         it, else the record holding it.
 
-        :raises StoreUnavailable: the store failed (reported by the caller, who answers).
+        :raises StoreUnavailable: the store failed (reported and answered by the adapter).
         """
         assert self.scope is not None
         self.fingerprint = digest
@@ -929,6 +1011,92 @@ class Attempt:
         elif found is Found.RERUN and not self.take_over(record):
             return Found.OVERTAKEN  # one winner, the same row: the same downstream keys
         return found
+
+    def acquire(self, digest: bytes, *, until: float | None) -> Acquired:
+        """Claim the key, or say what answers instead, once for a view and a job.
+
+        The answer is a replay, or a refusal (a row of :data:`OUTCOMES`, its event sent).
+
+        :param digest: the request's fingerprint.
+        :param until: a view waits for an owner that still runs, claiming again every
+            ``_WAIT_STEP`` until this ``time.monotonic()``, then answers 409; a job (None)
+            never waits: it is told at once, and its queue delivers the message again later.
+        :raises StoreUnavailable: the store failed; nothing runs (the adapter reports it
+            through :meth:`reporting_claim_failure`).
+        """
+        while True:
+            if self.atomic:
+                assert until is not None
+                acquired = self._acquire_atomic(digest, until)
+            else:
+                record = self.claim(digest)
+                if record is None:
+                    return Acquired(new=True)
+                acquired = self.answer_found(record, until=until)
+            if acquired is not None:
+                return acquired
+
+    def _acquire_atomic(self, digest: bytes, until: float) -> Acquired | None:
+        """One claim of an atomic view, inside the business transaction it opens. A duplicate
+        holding the scope (PostgreSQL's try-lock) is waited for until ``until``, then answered
+        409; an existing record answers as for any view, after the empty transaction is
+        rolled back. None: claim again."""
+        result = self.claim_atomic(digest)
+        if self.holding:
+            return Acquired(new=True)
+        self.rollback_quietly()
+        if result is not None:
+            acquired = self.answer_found(result.record, until=until)
+            if acquired is not None:
+                return acquired  # a reopened record taken over runs again, durably owned
+        if time.monotonic() >= until:
+            return Acquired(refusal=self.emit_found(Found.RUNNING))
+        _wait(until)
+        return None
+
+    def answer_found(self, record: Record, *, until: float | None) -> Acquired | None:
+        """What the record its claim found answers (:meth:`meet`), or None: claim again.
+
+        A view claims again at once when another attempt took the record over first, and
+        after a short wait while its owner runs (:meth:`emit_found` sends the row's event and
+        logs what it logs once it answers instead).
+
+        :param record: the record holding the key.
+        :param until: the view's deadline (see :meth:`acquire`); None: a job, answered at once.
+        """
+        found = self.meet(record)
+        if found is Found.COMPLETED:
+            return Acquired(replay=record)
+        if found is Found.RERUN:
+            return Acquired()  # this attempt won the takeover: it runs
+        if until is not None:
+            if OUTCOMES[found].claims_again:
+                return None
+            if found is Found.RUNNING and time.monotonic() < until:
+                _wait(until)
+                return None
+        return Acquired(refusal=self.emit_found(found, record), record=record)
+
+    def holds_record(self) -> bool:
+        """Whether the store already holds a record for the scope.
+
+        A tenant's key limit lets a known key through to the answer its record gives.
+
+        :raises StoreUnavailable: the store failed.
+        """
+        assert self.scope is not None
+        return self.app_state.store.get(self.scope) is not None
+
+    @contextlib.contextmanager
+    def reporting_claim_failure(self) -> t.Iterator[None]:
+        """Report a store failure of the claim step once (``store_unavailable``, stage
+        ``claim``), and raise it again for the adapter to answer: around everything an
+        adapter does before the run (its key limit, :meth:`acquire`, a view's ``replay=``)."""
+        try:
+            yield
+        except StoreUnavailable:
+            self.emit(signals.store_unavailable, stage="claim")
+            raise
 
     # -- the end of the run --------------------------------------------------------------
 
@@ -1169,3 +1337,8 @@ class Attempt:
         if self.watch is not None:
             self.app_state.keeper.unwatch(self.watch)
             self.watch = None
+
+
+def _wait(until: float) -> None:
+    """Sleep one step of a view's wait for the owner of its key, never past ``until``."""
+    time.sleep(min(_WAIT_STEP, max(0.0, until - time.monotonic())))

@@ -54,20 +54,13 @@ import typing as t
 
 from flask import current_app, has_app_context, has_request_context
 
-from .attempt import OUTCOMES, Attempt, Ending, Failure, Found, reason
-from .core import signals
-from .core.errors import (
-    ConfigurationError,
-    JobRefused,
-    JobResultNotStored,
-    StoreUnavailable,
-)
+from .attempt import OUTCOMES, Attempt, Ending, Failure, reason
+from .core.errors import ConfigurationError, JobRefused, JobResultNotStored
 from .core.fingerprint import fingerprint as canonical_fingerprint
 from .core.idempotency_keys import check_key, key_hash
 from .core.options import JobArgument, JobOptions
 from .core.record import Record, StoredResponse
 from .state import AppState
-from .store import translate_errors
 
 P = t.ParamSpec("P")
 R = t.TypeVar("R")
@@ -176,32 +169,23 @@ def _unprotected(
         if app_state.sessions is not None and own_session:
             attempt.attach_session()
         value = current_app.ensure_sync(function)(*call.args, **call.kwargs)
-        with translate_errors():
-            attempt.commit()
+        attempt.settle_unclaimed()
         return value
 
 
 def _claim(attempt: Attempt, digest: bytes) -> Record | None:
-    """Take the message's key, or: the completed record to replay (returned), or a refusal
-    (raised). None when the job may run."""
-    assert attempt.scope is not None
-    try:
-        record = attempt.claim(digest)  # under the job's ttl= and lease= (Attempt.ttl, .lease)
-        if record is None:
-            return None
-        found = attempt.meet(record)
-        if found is Found.COMPLETED:
-            return record
-        if found is Found.RERUN:
-            return None  # this attempt won the takeover: it runs the job
-        # A re-run another worker took over first (Found.OVERTAKEN) is running there.
-        refusal = attempt.emit_found(found, record)
-        raise refusal.job(
+    """Take the message's key (under the job's ``ttl=`` and ``lease=``), or: the completed
+    record to replay (returned), or a refusal (raised, counting down the record's lease: a
+    re-run another worker took over first is running there). None when the job may run."""
+    with attempt.reporting_claim_failure():
+        acquired = attempt.acquire(digest, until=None)
+    if acquired.refusal is not None:
+        record = acquired.record
+        assert record is not None
+        raise acquired.refusal.job(
             record.scope, reason=reason(record), retry_after=max(1.0, record.lease_remaining)
         )
-    except StoreUnavailable:
-        attempt.emit(signals.store_unavailable, stage="claim")
-        raise
+    return acquired.replay
 
 
 def _replayed(record: Record) -> t.Any:
@@ -225,16 +209,16 @@ def _execute(
     assert attempt.scope is not None
     try:
         value = function(*call.args, **call.kwargs)
-    except JobRefused:
-        attempt.mark_refused()  # idem.refuse() ended the run: it did nothing
+    except JobRefused as exc:
+        attempt.run_ended(exc, refused=True)  # idem.refuse() ended the run: it did nothing
         attempt.end_run("job")
         raise
     except BaseException as exc:
         # Also SystemExit and KeyboardInterrupt: a worker told to stop mid-job.
-        attempt.mark_crashed()
-        attempt.trace_failure(exc)
+        attempt.run_ended(exc)
         attempt.end_run("job")
         raise
+    attempt.run_ended()
     ending = attempt.end_run("job")
     if ending is Ending.WORK_LOST:
         # Its rows are gone, or did not commit with its result: never stored (a view's answer

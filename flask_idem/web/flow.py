@@ -4,7 +4,8 @@ The guard (:mod:`.guard`) calls in when Flask dispatches to a protected view, af
 ``before_request`` hook and every decorator above ``@idem.idempotent``. Then:
 
 ``claim``   read the key (400), resolve the tenant, fingerprint the request, claim; a record
-            already holding the key answers instead of the view (``answer_existing``);
+            already holding the key answers instead of the view
+            (:meth:`~flask_idem.attempt.Attempt.acquire`);
 ``run``     the view runs; an exception it raises marks the request *crashed*, whatever error
             handler renders it afterwards (a raised ``HTTPException`` is an answer, not a crash);
 ``finish``  (``after_request``) answer what the attempt decided at the end of the view
@@ -74,9 +75,10 @@ A record stays live for its TTL from its claim and for its TTL from the end of i
 an answer that took longer than the TTL still replays for a whole TTL.
 
 An *atomic* view (``@idem.idempotent(atomic=True)``) claims inside its business transaction
-(``_claim_atomic``): the claim, the business rows and the answer commit once, and every failure
-of the table above rolls all of it back, so the key is simply free again (there is no lease,
-nothing is ever ``unknown``). A duplicate that finds the scope locked answers 409 at once.
+(:meth:`~flask_idem.attempt.Attempt.acquire`): the claim, the business rows and the answer
+commit once, and every failure of the table above rolls all of it back, so the key is simply
+free again (there is no lease, nothing is ever ``unknown``). A duplicate that finds the scope
+locked answers 409, at once or after the bounded wait of ``IDEMPOTENCY_WAIT``.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ from flask.typing import ResponseReturnValue
 from werkzeug.exceptions import HTTPException, InternalServerError
 from werkzeug.wrappers import Response
 
-from ..attempt import OUTCOMES, Attempt, Ending, Failure, Found, Phase
+from ..attempt import OUTCOMES, Attempt, Ending, Failure, Phase
 from ..core import signals
 from ..core.config import Settings
 from ..core.errors import StoreUnavailable
@@ -109,17 +111,15 @@ from ..core.problem import (
     StoreUnavailableProblem,
     TenantUnresolved,
 )
-from ..core.record import Record, Scope, StoredResponse
+from ..core.record import Scope, StoredResponse
 from ..core.scopes import PrincipalInvalid, account_fingerprint, namespace, resolve_principal
 from ..core.snapshot import response_snapshot
 from ..core.wire import REPLAYED_HEADER, RETENTION_HEADER, STORED_HEADER
 from ..sessions import has_unmanaged_writes
 from ..state import AppState
-from ..store import redacted, translate_errors
+from ..store import redacted
 from .body import read_body
 from .key_limit import KeyLimit
-
-_WAIT_STEP = 0.05
 
 log = logging.getLogger("flask_idem")
 
@@ -187,23 +187,22 @@ def claim(
     if scope_name == "account":
         digest = account_fingerprint(endpoint, digest)
     limit = app_state.key_limiter.applying(settings, options, scope)
-    if limit is not None:
-        _refuse_over_limit(attempt, limit)
-    deadline = time.monotonic() + settings.wait
-    if options.atomic:
-        return _claim_atomic(attempt, options, digest, deadline, limit)
-    while True:
-        try:
-            record = attempt.claim(digest)
-            if record is None:
-                if limit is not None:
-                    limit.count()  # a new record: the only claim the limit counts
-                return None  # the key is ours
-            answer = answer_existing(attempt, record, options, deadline)
-        except StoreUnavailable as exc:
-            raise _claim_failed(attempt, exc) from None
-        if answer is not None or attempt.holding:
-            return answer
+    try:
+        with attempt.reporting_claim_failure():
+            if limit is not None:
+                _refuse_over_limit(attempt, limit)
+            acquired = attempt.acquire(digest, until=time.monotonic() + settings.wait)
+            if acquired.replay is not None:
+                stored = acquired.replay
+                assert stored.response is not None
+                return replay(stored.response, options, settings.stored_headers, stored.kept_for)
+    except StoreUnavailable as exc:
+        raise _claim_failed(exc) from None
+    if acquired.refusal is not None:
+        raise acquired.refusal.http()
+    if acquired.new and limit is not None:
+        limit.count()  # a new record: the only claim the limit counts
+    return None  # the key is ours
 
 
 def _refuse_over_limit(attempt: Attempt, limit: KeyLimit) -> None:
@@ -212,77 +211,18 @@ def _refuse_over_limit(attempt: Attempt, limit: KeyLimit) -> None:
     is never refused by the limit). See :mod:`.key_limit` for the order."""
     if limit.allows():
         return
-    assert attempt.scope is not None
-    try:
-        known = attempt.app_state.store.get(attempt.scope) is not None
-    except StoreUnavailable as exc:
-        raise _claim_failed(attempt, exc) from None
-    if not known:
+    if not attempt.holds_record():
         refusal = limit.refusal()
         attempt.emit(signals.rate_limited)
         raise refusal
 
 
-def _claim_atomic(
-    attempt: Attempt,
-    options: ViewOptions,
-    digest: bytes,
-    deadline: float,
-    limit: KeyLimit | None,
-) -> Response | None:
-    """The claim of an atomic view, inside the business transaction it opens.
-
-    A duplicate holding the scope (PostgreSQL's try-lock) answers 409 at once, or after a
-    bounded wait (``IDEMPOTENCY_WAIT``); an existing record answers as for any view, after
-    the empty transaction is rolled back.
-    """
-    while True:
-        try:
-            result = attempt.claim_atomic(digest)
-            if attempt.holding:
-                if limit is not None:
-                    limit.count()
-                return None
-            attempt.rollback_quietly()
-            if result is not None:
-                answer = answer_existing(attempt, result.record, options, deadline)
-                if answer is not None or attempt.holding:
-                    return answer  # a reopened record taken over: run it again, durably owned
-        except StoreUnavailable as exc:
-            raise _claim_failed(attempt, exc) from None
-        if time.monotonic() >= deadline:
-            raise attempt.emit_found(Found.RUNNING).http()
-        time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
-
-
-def _claim_failed(attempt: Attempt, error: StoreUnavailable) -> StoreUnavailableProblem:
+def _claim_failed(error: StoreUnavailable) -> StoreUnavailableProblem:
     """The 503 of a claim the store failed: fail closed, saying how to migrate when the schema
     is missing (:class:`~flask_idem.core.errors.SchemaMissing`)."""
-    attempt.emit(signals.store_unavailable, stage="claim")
     return StoreUnavailableProblem(
         error.detail or "The idempotency store cannot be reached; the request was not executed."
     )
-
-
-def answer_existing(
-    attempt: Attempt, record: Record, options: ViewOptions, deadline: float
-) -> Response | None:
-    """What a claim that found a record leads to: a problem (raised), a replay, or None: the
-    attempt took the record over (it holds the key), or claims again (at once when another
-    attempt took it over first; after a short wait while the owner runs)."""
-    settings = attempt.app_state.settings
-    found = attempt.meet(record)
-    if found is Found.COMPLETED:
-        assert record.response is not None
-        return replay(record.response, options, settings.stored_headers, record.kept_for)
-    if found is Found.RERUN:
-        return None  # this attempt won the takeover: it runs the view
-    if OUTCOMES[found].claims_again:
-        return None
-    if found is Found.RUNNING and time.monotonic() < deadline:
-        time.sleep(min(_WAIT_STEP, max(0.0, deadline - time.monotonic())))
-        return None
-    raise attempt.emit_found(found, record).http()
 
 
 def replay(
@@ -418,40 +358,37 @@ def _fingerprint(req: Request, options: ViewOptions, body: bytes) -> bytes:
 
 
 def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseReturnValue:
+    """The view, and how it ended told to its attempt (:meth:`~flask_idem.attempt.Attempt.
+    run_ended`)."""
     try:
         answer = t.cast(ResponseReturnValue, call(*args, **kwargs))
-        attempt = Attempt.current()
+        attempt = Attempt.current()  # also one the view opened (idem.connection())
         if attempt is not None:
             attempt.flush()  # db.session's ORM writes: a failure here is the view's
-            attempt.went_on()
-            attempt.mark_answered()
-        return answer
-    except Refusal:
-        _ended(Attempt.mark_refused)
+    except Refusal as exc:
+        _told(exc, refused=True)
         raise
     except HTTPException as exc:
-        raised = exc.code
-        _ended(lambda attempt: attempt.mark_answered(raised=raised))
+        _told(exc, answered=True, status=exc.code)
         raise  # abort(404), raise Problem(...): an answer like a returned one
     except StoreUnavailable as exc:
         # idem.connection() failed in the view: a crash answered 503 here, not by whatever
         # error handler the application (or a blueprint) registered for Exception.
-        _ended(Attempt.mark_crashed, exc)
+        _told(exc)
         return store_unavailable(exc)
     except BaseException as exc:
         # A crash, also when an application error handler turns it into a response.
-        _ended(Attempt.mark_crashed, exc)
+        _told(exc)
         raise
+    if attempt is not None:
+        attempt.run_ended()
+    return answer
 
 
-def _ended(how: t.Callable[[Attempt], None], error: BaseException | None = None) -> None:
+def _told(error: BaseException, **how: t.Any) -> None:
     attempt = Attempt.current()
     if attempt is not None:
-        if how is not Attempt.mark_refused:
-            attempt.went_on()
-        how(attempt)
-        if error is not None:
-            attempt.trace_failure(error)
+        attempt.run_ended(error, **how)
 
 
 class Refusal(HTTPException):
@@ -478,7 +415,7 @@ def finish(attempt: Attempt, response: Response) -> Response:
     ending = attempt.end_run("view", status=response.status_code)
     if ending is Ending.WORK_LOST:
         # The view's answer does not stand for what committed: a 500 says what happened.
-        problem = InternalError(OUTCOMES[Failure.WORK_LOST].detail + _crash_outcome(attempt))
+        problem = InternalError(OUTCOMES[Failure.WORK_LOST].detail + attempt.crash_advice)
         return unreplayed(problem_response(app_state, attempt, problem))
     if ending is Ending.GIVEN_UP:
         return unreplayed(response)
@@ -549,17 +486,8 @@ def internal_error(error: InternalServerError) -> ResponseReturnValue:
     if error.original_exception is None:
         return InternalError(error.description).get_response()
     return InternalError(
-        "The server failed while processing the request. " + _crash_outcome(attempt)
+        "The server failed while processing the request. " + attempt.crash_advice
     ).get_response()
-
-
-def _crash_outcome(attempt: Attempt) -> str:
-    """What a failed request's client should do next, from what its attempt may have done."""
-    if not attempt.claimed:
-        return "Retry with the same key."  # it failed answering from the record
-    if attempt.releasable:
-        return "Nothing was recorded for this key; retry with the same key."
-    return "It may have had an effect; retry with the same key, never a new one."
 
 
 def store_unavailable(error: StoreUnavailable) -> ResponseReturnValue:
@@ -601,27 +529,13 @@ def problem_response(app_state: AppState, attempt: Attempt | None, problem: Prob
 
 
 def _settle_unclaimed(attempt: Attempt, response: Response) -> Response:
-    """Settle the business transaction of a request that claimed nothing as a claimed one's
-    would be: rolled back after an exception, and on a protected view after a status that is
-    never stored or an :meth:`~flask_idem.Idempotency.refuse`; committed otherwise.
-
-    If the commit fails (the view's own query met a dead connection and an error handler
-    rendered it, leaving the transaction invalid), nothing was committed: answer 503, as a
-    store failure anywhere in a request.
-    """
-    if attempt.connection is None and attempt.session is None:
-        return response
-    app_state = attempt.app_state
-    protected = attempt.options is not None
-    if attempt.phase is Phase.FAILED or (
-        protected and response.status_code in app_state.settings.never_store
-    ):
-        attempt.rollback_quietly()
-        return response
+    """Settle the business transaction of a request that claimed nothing
+    (:meth:`~flask_idem.attempt.Attempt.settle_unclaimed`). If the commit fails (the view's
+    own query met a dead connection and an error handler rendered it, leaving the transaction
+    invalid), nothing was committed: answer 503, as a store failure anywhere in a request."""
     try:
-        with translate_errors():
-            attempt.commit()
+        attempt.settle_unclaimed(response.status_code)
     except StoreUnavailable as exc:
         answer = t.cast(Response, store_unavailable(exc))
-        return echo_key(app_state.settings, answer, attempt.echoed_key)
+        return echo_key(attempt.app_state.settings, answer, attempt.echoed_key)
     return response

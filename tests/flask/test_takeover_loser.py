@@ -17,7 +17,6 @@ from flask_idem.core.errors import JobInProgress
 from flask_idem.core.options import ViewOptions
 from flask_idem.state import AppState
 from flask_idem.store import SQLStore
-from flask_idem.web import flow
 
 FP = hashlib.sha256(b"the same request").digest()
 
@@ -47,7 +46,7 @@ def test_the_loser_of_a_takeover_holds_nothing_and_answers_nothing_itself(store:
             assert winner.meet(unknown) is Found.RERUN and winner.holding
             assert loser.meet(unknown) is Found.OVERTAKEN and not loser.holding
             # The view adapter claims again at once, without an event: no answer of its own.
-            assert flow.answer_existing(view, unknown, options, time.monotonic()) is None
+            assert view.answer_found(unknown, until=time.monotonic()) is None
             assert not view.holding and conflicts == []
             # A job answers the row: in progress, as the winner's running record says.
             error = OUTCOMES[Found.OVERTAKEN].job(record.scope, retry_after=1.0)

@@ -398,7 +398,7 @@ class World:
                         charge=client.charge, record_created_at=stamp(attempt.created_at)
                     )
                 )
-                attempt.mark_answered()
+                attempt.run_ended()
                 # What the view adapter does with a 201: the attempt decides, then records.
                 ending = attempt.end_run("view", status=201)
                 assert ending is Ending.RECORD, ending
@@ -425,7 +425,7 @@ class World:
                     )
                 )
                 connection.commit()
-            attempt.mark_crashed()
+            attempt.run_ended(RuntimeError("the view raised"))
             ending = attempt.end_run("view", status=500)
             assert ending is not Ending.RECORD, ending
             attempt.close()

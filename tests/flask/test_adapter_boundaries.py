@@ -1,0 +1,108 @@
+"""What the view adapter tells the attempt at the edges of its two steps: a refusal is the
+view's own only (a nested job's ``JobRefused`` escaping the view is the view's crash, never a
+refusal that gives the view's key back); a store failure while a replay is built is the claim
+step's (reported once, answered 503); an ``HTTPException`` that is also a store failure is the
+view's answer, rendered by the application's handler.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+import flask
+from werkzeug.exceptions import ServiceUnavailable
+
+from flask_idem import Idempotency
+from flask_idem.core import signals
+from flask_idem.core.errors import StoreUnavailable
+from flask_idem.core.record import State
+from flask_idem.store import SQLStore
+
+
+def test_a_nested_jobs_refusal_escaping_the_view_leaves_the_views_key_unknown(
+    store: SQLStore,
+) -> None:
+    app = flask.Flask("nested-refusal")
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+    events: list[tuple[str, str | None]] = []
+
+    def note(name: str) -> t.Callable[..., None]:
+        return lambda sender, **extra: events.append((name, extra.get("endpoint")))
+
+    listeners = {name: note(name) for name in ("released", "unknown")}
+    for name, listener in listeners.items():
+        getattr(signals, name).connect(listener, app)
+
+    @idem.job("notify", key="order", tenant="merchant")
+    def notify(merchant: str, order: str) -> None:
+        idem.refuse({"later": True})
+
+    @app.post("/orders")
+    @idem.idempotent  # no release_before_contact: it may have had undeclared effects
+    def create_order() -> t.Any:
+        notify("alpha", "o-1")
+        return {"ok": True}, 201
+
+    response = app.test_client().post("/orders", headers={"Idempotency-Key": "nested-1"})
+    assert response.status_code == 500
+    assert "never a new one" in response.get_json()["detail"], response.get_json()
+    record = store.get(store.keys.scope("alpha", "POST /orders", "nested-1"))
+    assert record is not None and record.state is State.UNKNOWN, record
+    assert ("released", "JOB notify") in events
+    assert ("unknown", "POST /orders") in events and ("released", "POST /orders") not in events
+
+
+def test_a_replay_that_meets_a_store_failure_answers_503_reported_once(store: SQLStore) -> None:
+    app = flask.Flask("replay-store-failure")
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+    stages: list[str] = []
+
+    def listener(sender: t.Any, **extra: t.Any) -> None:
+        stages.append(extra["stage"])
+
+    signals.store_unavailable.connect(listener, app)
+    fail = [False]
+
+    def replay(stored: t.Any) -> t.Any:
+        if fail[0]:
+            raise StoreUnavailable("the lookup behind the replay failed")
+        return {"replayed": True}, stored.status
+
+    @app.errorhandler(StoreUnavailable)
+    def own_handler(error: StoreUnavailable) -> t.Any:
+        return {"handled by": "the application"}, 599
+
+    @app.post("/orders")
+    @idem.idempotent(replay=replay)
+    def create_order() -> t.Any:
+        return {"ok": True}, 201
+
+    client = app.test_client()
+    assert client.post("/orders", headers={"Idempotency-Key": "replay-1"}).status_code == 201
+    fail[0] = True
+    response = client.post("/orders", headers={"Idempotency-Key": "replay-1"})
+    assert response.status_code == 503, response.get_data(as_text=True)
+    assert response.content_type == "application/problem+json"
+    assert stages == ["claim"]
+
+
+class _Down(StoreUnavailable, ServiceUnavailable):
+    """An application's error that is both a store failure and an HTTP answer."""
+
+
+def test_an_http_exception_that_is_a_store_failure_is_the_views_answer(store: SQLStore) -> None:
+    app = flask.Flask("hybrid")
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+
+    @app.errorhandler(_Down)
+    def own_page(error: _Down) -> t.Any:
+        return {"page": "the application's own"}, 503
+
+    @app.post("/orders")
+    @idem.idempotent
+    def create_order() -> t.Any:
+        raise _Down()
+
+    response = app.test_client().post("/orders", headers={"Idempotency-Key": "hybrid-1"})
+    assert response.status_code == 503
+    assert response.get_json() == {"page": "the application's own"}
