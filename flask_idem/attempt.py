@@ -291,6 +291,14 @@ class Outcome:
             return self.job_error(message)
         return self.job_error(message, retry_after=retry_after)
 
+    def job_for(self, record: Record) -> JobError:
+        """The error a job raises for the record its claim found: what is wrong with the
+        record, and a countdown of the record's lease (an owner keeps it at least that long;
+        a second at the least)."""
+        return self.job(
+            record.scope, reason=reason(record), retry_after=max(1.0, record.lease_remaining)
+        )
+
 
 class Ending(enum.Enum):
     """What the end of a run that held the key leads to (:meth:`Attempt.end_run`)."""
@@ -553,6 +561,8 @@ class Attempt:
     #: refusal (:meth:`went_on`); None while it runs, and for a run abandoned before its end
     #: was told (:meth:`run_ended`). A later move (an exception after the answer) keeps it.
     ended: Phase | None = dataclasses.field(default=None, init=False)
+    #: What ``idem.refuse()`` raised in this attempt's run, if it did (:meth:`note_refusal`).
+    refusal: BaseException | None = dataclasses.field(default=None, init=False)
     #: True while flask_idem itself commits or rolls the business transaction back: the
     #: commit guard and the session's listeners leave that to it.
     _settling: bool = dataclasses.field(default=False, init=False)
@@ -636,24 +646,29 @@ class Attempt:
         elif self.phase in (Phase.UNCLAIMED, Phase.CLAIMING):
             self._move(Phase.FAILED)
 
+    def note_refusal(self, refusal: BaseException) -> None:
+        """``idem.refuse()`` raises ``refusal`` in this attempt's run: only that exception
+        ends the run as a refusal (:meth:`run_ended`). A refusal of a job run inside it (an
+        inline ``delay()``) that escapes is this run's crash: it may have had effects before
+        it called the job, so it never gives its key back."""
+        self.refusal = refusal
+
     def run_ended(
         self,
         error: BaseException | None = None,
         *,
-        refused: bool = False,
         answered: bool = False,
         status: int | None = None,
     ) -> None:
         """Tell the attempt how its view or job ended: one call for both adapters.
 
-        :param error: what it raised; None: it returned. Any exception that is neither a
-            refusal nor an answer is a crash, also when an error handler renders it afterwards.
-        :param refused: ``error`` is the adapter's own refusal (``idem.refuse()`` in this run;
-            never one a nested job raised through it, which is a crash of this run).
+        :param error: what it raised; None: it returned. Its own refusal
+            (:meth:`note_refusal`) refuses; any other exception that is not an answer is a
+            crash, also when an error handler renders it afterwards.
         :param answered: ``error`` is the view's answer (an ``HTTPException``).
         :param status: that answer's status.
         """
-        if refused:
+        if error is not None and error is self.refusal:
             self.mark_refused()
             return
         self.went_on()

@@ -54,8 +54,8 @@ import typing as t
 
 from flask import current_app, has_app_context, has_request_context
 
-from .attempt import OUTCOMES, Attempt, Ending, Failure, reason
-from .core.errors import ConfigurationError, JobRefused, JobResultNotStored
+from .attempt import OUTCOMES, Attempt, Ending, Failure
+from .core.errors import ConfigurationError, JobResultNotStored
 from .core.fingerprint import fingerprint as canonical_fingerprint
 from .core.idempotency_keys import check_key, key_hash
 from .core.options import JobArgument, JobOptions
@@ -175,16 +175,13 @@ def _unprotected(
 
 def _claim(attempt: Attempt, digest: bytes) -> Record | None:
     """Take the message's key (under the job's ``ttl=`` and ``lease=``), or: the completed
-    record to replay (returned), or a refusal (raised, counting down the record's lease: a
-    re-run another worker took over first is running there). None when the job may run."""
+    record to replay (returned), or a refusal (raised: the row's job error). None when the
+    job may run."""
     with attempt.reporting_claim_failure():
         acquired = attempt.acquire(digest, until=None)
     if acquired.refusal is not None:
-        record = acquired.record
-        assert record is not None
-        raise acquired.refusal.job(
-            record.scope, reason=reason(record), retry_after=max(1.0, record.lease_remaining)
-        )
+        assert acquired.record is not None
+        raise acquired.refusal.job_for(acquired.record)
     return acquired.replay
 
 
@@ -209,12 +206,9 @@ def _execute(
     assert attempt.scope is not None
     try:
         value = function(*call.args, **call.kwargs)
-    except JobRefused as exc:
-        attempt.run_ended(exc, refused=True)  # idem.refuse() ended the run: it did nothing
-        attempt.end_run("job")
-        raise
     except BaseException as exc:
-        # Also SystemExit and KeyboardInterrupt: a worker told to stop mid-job.
+        # Its own refusal (idem.refuse(): it did nothing), or a crash: any other exception, a
+        # refusal of a job it ran inline included, SystemExit and KeyboardInterrupt too.
         attempt.run_ended(exc)
         attempt.end_run("job")
         raise

@@ -439,9 +439,14 @@ class Idempotency:
         the job again). Without ``refuse`` a plain view's failure leaves the key ``unknown``.
         """
         attempt = Attempt.current()
+        refusal: Exception
         if not has_request_context() or isinstance(getattr(attempt, "options", None), JobOptions):
-            raise JobRefused("the job refused to run; redeliver it later", value=rv)
-        raise flow.Refusal(current_app.make_response(rv))
+            refusal = JobRefused("the job refused to run; redeliver it later", value=rv)
+        else:
+            refusal = flow.Refusal(current_app.make_response(rv))
+        if attempt is not None:
+            attempt.note_refusal(refusal)
+        raise refusal
 
     def request_body(self) -> bytes:
         """The current request's body, read as the claim reads it: whole, and refused past

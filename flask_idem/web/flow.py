@@ -33,7 +33,7 @@ shared with background jobs (:mod:`flask_idem.jobs`), so that a view and a job f
 outcome model: what to do next is read from the attempt's phase, and what a found record or a
 failure answers from :data:`flask_idem.attempt.OUTCOMES` (its HTTP column).
 
-The outcome table (the behaviour contract; README mirrors it):
+The outcome table (the behaviour contract; docs/outcomes.md mirrors it):
 
 =============================================  =========================  ======================
 How the attempt ended                          The key afterwards         What a retry gets
@@ -366,7 +366,7 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
         if attempt is not None:
             attempt.flush()  # db.session's ORM writes: a failure here is the view's
     except Refusal as exc:
-        _told(exc, refused=True)
+        _told(exc)  # the view's own refusal; one of a job it ran is a crash
         raise
     except HTTPException as exc:
         _told(exc, answered=True, status=exc.code)

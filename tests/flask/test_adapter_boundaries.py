@@ -1,6 +1,6 @@
-"""What the view adapter tells the attempt at the edges of its two steps: a refusal is the
-view's own only (a nested job's ``JobRefused`` escaping the view is the view's crash, never a
-refusal that gives the view's key back); a store failure while a replay is built is the claim
+"""What the adapters tell the attempt at the edges of their two steps: a refusal is the run's
+own only (a nested job's ``JobRefused`` escaping a view or an outer job is that run's crash,
+never a refusal that gives its key back); a store failure while a replay is built is the claim
 step's (reported once, answered 503); an ``HTTPException`` that is also a store failure is the
 view's answer, rendered by the application's handler.
 """
@@ -10,11 +10,12 @@ from __future__ import annotations
 import typing as t
 
 import flask
+import pytest
 from werkzeug.exceptions import ServiceUnavailable
 
 from flask_idem import Idempotency
 from flask_idem.core import signals
-from flask_idem.core.errors import StoreUnavailable
+from flask_idem.core.errors import JobRefused, StoreUnavailable
 from flask_idem.core.record import State
 from flask_idem.store import SQLStore
 
@@ -50,6 +51,27 @@ def test_a_nested_jobs_refusal_escaping_the_view_leaves_the_views_key_unknown(
     assert record is not None and record.state is State.UNKNOWN, record
     assert ("released", "JOB notify") in events
     assert ("unknown", "POST /orders") in events and ("released", "POST /orders") not in events
+
+
+def test_a_nested_jobs_refusal_escaping_a_job_leaves_the_outer_jobs_key_unknown(
+    store: SQLStore,
+) -> None:
+    app = flask.Flask("nested-job-refusal")
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+
+    @idem.job("inner", key="order", tenant="merchant")
+    def inner(merchant: str, order: str) -> None:
+        idem.refuse({"later": True})
+
+    @idem.job("outer", key="order", tenant="merchant")  # no release_before_contact
+    def outer(merchant: str, order: str) -> None:
+        inner(merchant, order)
+
+    with app.app_context(), pytest.raises(JobRefused):
+        outer("alpha", "o-2")
+    assert store.get(store.keys.scope("alpha", "JOB inner", "o-2")) is None  # its own refusal
+    record = store.get(store.keys.scope("alpha", "JOB outer", "o-2"))
+    assert record is not None and record.state is State.UNKNOWN, record
 
 
 def test_a_replay_that_meets_a_store_failure_answers_503_reported_once(store: SQLStore) -> None:
