@@ -35,7 +35,7 @@ test: install
 	@$(BIN)/python -m tests.support.pgcluster check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The tier that needs no database, no server and no process (tests/unit): under a minute, also
+# The tier that needs no database and no server (tests/unit): under a minute, also
 # where PostgreSQL is missing (its conftest refuses the database fixtures).
 test-unit: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -56,7 +56,7 @@ import typing as t
 import httpx
 
 from .core.idempotency_keys import KeyFormat, new_key
-from .core.wire import IN_PROGRESS, OUTCOME_PENDING, REPLAYED_HEADER
+from .core.wire import IN_PROGRESS, KEY_HEADER, OUTCOME_PENDING, REPLAYED_HEADER
 
 RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 #: Statuses that answer the operation: every 2xx and 4xx (those the table above does not treat
@@ -277,7 +277,7 @@ class _Base:
         self,
         *,
         policy: RetryPolicy | None = None,
-        header: str = "Idempotency-Key",
+        header: str = KEY_HEADER,
         key_format: KeyFormat = "uuid4",
         refresh_credentials: RefreshCredentials | None = None,
     ) -> None:

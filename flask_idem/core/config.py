@@ -22,6 +22,7 @@ from .key_digest import KeySecret, parse_secrets
 from .record import UNREPLAYABLE_HEADERS, Archive
 from .scopes import SCOPES, ScopeName
 from .sealing import DEFAULT_COMPRESS_MIN, EncryptionKey, parse_keys
+from .wire import KEY_HEADER
 
 #: Seven years of 365 days: audit rows are kept as long as a payment ledger usually is.
 AUDIT_RETENTION = 7 * 365 * 86400
@@ -255,7 +256,7 @@ class Settings:
     sqlalchemy_fast_path: bool = setting(True, _flag)
     ttl: float = setting(86400, Number(1, 10 * 366 * 86400))  # ten years at most
     lease: float = setting(30, Number(1, 86400))
-    header: str = setting("Idempotency-Key", _header_name)
+    header: str = setting(KEY_HEADER, _header_name)
     header_aliases: tuple[str, ...] = setting(("X-Idempotency-Key",), _header_names)
     methods: frozenset[str] = setting(("POST", "PATCH"), _http_methods)
     key_required: bool = setting(True, _flag)

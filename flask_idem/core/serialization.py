@@ -1,4 +1,5 @@
-"""Marshmallow schemas: how records are shown to tenants (the blueprint) and operators (the CLI).
+"""Marshmallow schemas: how records are shown to tenants (the inspection endpoint) and to
+operators (the CLI).
 
 Stored bodies and headers are in :data:`BODY_FIELDS`, which callers exclude unless
 ``IDEMPOTENCY_INSPECT_BODIES`` is on: a stored response can hold card details or personal data,

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import typing as t
 
+#: The request header a client sends its key in, unless the server says otherwise
+#: (``IDEMPOTENCY_HEADER``).
+KEY_HEADER: t.Final = "Idempotency-Key"
 #: On a stored answer given back to a retry: ``true``.
 REPLAYED_HEADER: t.Final = "Idempotent-Replayed"
 #: On an answer of a request that held the key: ``false`` when no retry will get it back.

@@ -25,6 +25,10 @@ Off, the commit guard listens to SQLAlchemy's connection and pool events instead
 the dialect (:func:`flask_idem.commits.guard_commits`): the same refusals and the same notes,
 paying for the event dispatch.
 
+:class:`Autocommit` (the driver's autocommit flag for a block) is here for the driver cursor,
+and the public path uses it too (a release or an upkeep statement in autocommit, without
+SQLAlchemy's round trip to reset the isolation level).
+
 One patch is not behind the switch, because no public API does its job: **the counting
 connect** (:func:`open_counting`). The counting driver connections (:mod:`.commit_count`),
 which see a transaction ended below SQLAlchemy, are what the commit guard reads on both paths,

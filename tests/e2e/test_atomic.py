@@ -31,7 +31,7 @@ from flask_idem.core.key_digest import unkeyed
 from flask_idem.store import SQLStore, create_engine
 from tests.support import atomic_app
 from tests.support.answers import post
-from tests.support.helpers import Counter, count_statements
+from tests.support.helpers import Counter, count_statements, record_count
 from tests.support.pgcluster import ROOT, free_port
 from tests.support.wire import post_json
 
@@ -54,11 +54,6 @@ def business(store: SQLStore) -> t.Iterator[sa.Table]:
 def _rows(store: SQLStore, table: sa.Table) -> int:
     with store.engine.connect() as conn:
         return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
-
-
-def _records(store: SQLStore) -> int:
-    with store.engine.connect() as conn:
-        return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())
 
 
 def test_one_commit_replay_and_mismatch(
@@ -128,7 +123,7 @@ def test_a_failure_leaves_nothing_and_the_retry_runs(
     client = app.test_client()
     first = post(client, "k", {"n": 1}, path="/write")
     assert first.status_code in (500, 503)
-    assert _records(store) == 0 and _rows(store, business) == 0, "nothing committed"
+    assert record_count(store) == 0 and _rows(store, business) == 0, "nothing committed"
     assert post(client, "k", {"n": 1}, path="/write").status_code == 201
     assert _rows(store, business) == 1 and counter.calls == 2
 
@@ -416,7 +411,7 @@ def test_an_atomic_view_committing_itself_is_refused(
 
     client = app.test_client()
     assert post(client, "k", {"n": 1}, path="/self-commit").status_code == 500
-    assert _records(store) == 0 and _rows(store, business) == 0, "nothing was committed"
+    assert record_count(store) == 0 and _rows(store, business) == 0, "nothing was committed"
     assert post(client, "k", {"n": 1}, path="/self-commit").status_code == 201
     assert _rows(store, business) == 1
 
@@ -567,7 +562,7 @@ def test_a_view_that_ends_its_own_transaction_loses_its_claim(
     assert answers["first"].get_json()["type"].endswith("request-in-progress")
     with store.engine.connect() as conn:
         notes = conn.execute(sa.select(business.c.note)).scalars().all()
-    assert notes == ["charge-duplicate"] and _records(store) == 1
+    assert notes == ["charge-duplicate"] and record_count(store) == 1
     replay = post(app.test_client(), "k", {"n": 1}, path="/charge")
     assert replay.headers["Idempotent-Replayed"] == "true"
     assert replay.get_json() == {"charged": "duplicate"}

@@ -31,7 +31,7 @@ from flask_idem.testing import empty_store
 from flask_idem.testing.contract import FP, RESPONSE, StoreContract
 from tests.support import atomic_app
 from tests.support.citus_cluster import CitusCluster
-from tests.support.helpers import Counter, shift
+from tests.support.helpers import Counter, shift, wait_until
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 
@@ -85,6 +85,12 @@ def _sql(url: str, statement: str, **parameters: t.Any) -> list[t.Any]:
             return list(result) if result.returns_rows else []
     finally:
         engine.dispose()
+
+
+def _shard_of(url: str, tenant: str) -> int:
+    """The shard of the DEFAULT partition that holds ``tenant``'s rows."""
+    statement = "SELECT get_shard_id_for_distribution_column('idempotency_keys_default', :t)"
+    return int(_sql(url, statement, t=tenant)[0][0])
 
 
 @pytest.fixture
@@ -583,13 +589,7 @@ def test_durable_claims_through_every_node_during_shard_moves_claim_each_key_onc
     database = sa.make_url(url).database
     assert database is not None
     tenant = f"durable-moving-{mode}"
-    shard = int(
-        _sql(
-            url,
-            "SELECT get_shard_id_for_distribution_column('idempotency_keys_default', :t)",
-            t=tenant,
-        )[0][0]
-    )
+    shard = _shard_of(url, tenant)
     ports = [worker.port for worker in citus_server.workers]
     nodes = [create_store(url)] + [
         create_store(citus_server.url(node, database)) for node in citus_server.workers
@@ -817,13 +817,6 @@ def _move_blocks_writes(citus_server: CitusCluster, database: str, source: int) 
     )
 
 
-def _wait_for(condition: t.Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 #: Rounds each write must have been held into a move's block.
 _HELD_ROUNDS = 3
 
@@ -874,7 +867,9 @@ def _move_with_writes_held(
         with concurrent.futures.ThreadPoolExecutor(1 + len(_WRITES)) as pool:
             moved = pool.submit(citus_server.run, citus_server.coordinator, move, database)
             # Not before: creating the replication slot waits for every open transaction.
-            _wait_for(lambda: _replicating(citus_server, worker, database), "no replication")
+            wait_until(
+                lambda: _replicating(citus_server, worker, database), "replication", timeout=60
+            )
             writes = [
                 pool.submit(
                     write.write,
@@ -885,9 +880,10 @@ def _move_with_writes_held(
                 )
                 for kind, write in _WRITES.items()
             ]
-            _wait_for(
+            wait_until(
                 lambda: moved.done() or _move_blocks_writes(citus_server, database, source),
-                "the move never blocked writes",
+                "the move to block writes",
+                timeout=60,
             )
             held = set() if moved.done() else set(hold.written)
             hold.release.set()
@@ -916,13 +912,7 @@ def writes_held_into_moves(citus_server: CitusCluster) -> dict[str, list[bool]]:
     assert _cli(url, "citus").exit_code == 0
     upgrade(url)
     tenant = "held-writes"
-    shard = int(
-        _sql(
-            url,
-            "SELECT get_shard_id_for_distribution_column('idempotency_keys_default', :t)",
-            t=tenant,
-        )[0][0]
-    )
+    shard = _shard_of(url, tenant)
     store = create_store(url)
     kept: dict[str, list[bool]] = {kind: [] for kind in _WRITES}
     try:

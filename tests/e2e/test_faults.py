@@ -252,6 +252,27 @@ def test_a_frozen_database_answers_503_within_the_stores_bound_rate_limit_includ
 
 
 def test_database_killed_and_restarted(cluster: pgcluster.Cluster, server: SampleServer) -> None:
+    _kill_and_restart(cluster, server)
+
+
+def test_database_killed_and_restarted_on_the_public_api_path(
+    cluster: pgcluster.Cluster, database: str, tmp_path: Path
+) -> None:
+    """The same with ``IDEMPOTENCY_SQLALCHEMY_FAST_PATH`` off: the dead connections are dropped
+    through SQLAlchemy's public API, not the fast path's ``pool._invalidate``."""
+    server = SampleServer(
+        database, tmp_path, threads=8, FLASK_IDEMPOTENCY_SQLALCHEMY_FAST_PATH="false"
+    )
+    try:
+        _kill_and_restart(cluster, server)
+    finally:
+        server.stop()
+    assert_healthy(server)
+
+
+def _kill_and_restart(cluster: pgcluster.Cluster, server: SampleServer) -> None:
+    """Answers 503 in time while the database is down, then the same keys finish once and a
+    result committed before it replays."""
     done_key, done_customer = new_key(), new_customer()
     done = server.pay(done_key, payment(done_customer))
     assert done.status == 201

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import typing as t
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from flask_idem.ops.migrate import upgrade
 from flask_idem.ops.reconcile import resolve_targets
 from flask_idem.store import SQLStore
 from tests.support import pgcluster, slow_app
-from tests.support.helpers import shift
+from tests.support.helpers import shift, wait_until
 from tests.support.wire import post_json
 
 FP = hashlib.sha256(b"request").digest()
@@ -302,14 +301,6 @@ def test_a_reconciler_for_a_missing_view_fails_the_run(store: SQLStore) -> None:
 # -- a worker killed mid-request under a real server -----------------------------------------
 
 
-def _wait_for(condition: t.Callable[[], bool], what: str, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
@@ -343,9 +334,9 @@ def test_worker_killed_mid_request_is_listed_and_reconciled(
     )
     client = threading.Thread(target=_post_and_lose_the_answer, args=(port, "killed-key"))
     try:
-        _wait_for(lambda: _listening(port), "gunicorn to listen")
+        wait_until(lambda: _listening(port), "gunicorn to listen")
         client.start()
-        _wait_for(pidfile.exists, "the request to charge and hang")
+        wait_until(pidfile.exists, "the request to charge and hang")
         os.kill(int(pidfile.read_text()), signal.SIGKILL)
         client.join(timeout=10)
     finally:

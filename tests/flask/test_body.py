@@ -17,7 +17,7 @@ import pytest
 from flask_idem import Idempotency
 from flask_idem.store import SQLStore
 from tests.support.answers import assert_problem, post
-from tests.support.helpers import Counter
+from tests.support.helpers import Counter, record_count
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 
@@ -36,11 +36,6 @@ class _Broken(io.RawIOBase):
         if not chunk:
             raise OSError("No more data after: b''")
         return chunk
-
-
-def _records(store: SQLStore) -> int:
-    with store.engine.connect() as conn:
-        return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())
 
 
 BODY = json.dumps({"amount": 4200, "currency": "eur"}).encode()
@@ -66,7 +61,7 @@ def test_a_short_content_length_body_is_400_and_the_full_retry_runs(
     )
     assert_problem(cut, 400, "request-body-incomplete")
     assert cut.headers["Idempotency-Key"] == "cut"
-    assert (counter.calls, _records(store)) == (0, 0), "refused before any claim"
+    assert (counter.calls, record_count(store)) == (0, 0), "refused before any claim"
     full = post(client, "cut", BODY)
     assert full.status_code == 201, full.data
     assert full.get_json()["amount"] == 4200
@@ -82,7 +77,7 @@ def test_a_broken_chunked_body_is_400_not_500(store: SQLStore, app_factory: Fact
         **JSON,
     )
     assert_problem(cut, 400, "request-body-incomplete")
-    assert (counter.calls, _records(store)) == (0, 0)
+    assert (counter.calls, record_count(store)) == (0, 0)
 
 
 @pytest.mark.parametrize("declared", [True, False])
@@ -97,7 +92,7 @@ def test_a_body_over_the_limit_is_413(
     assert_problem(
         post(app.test_client(), "big", None, environ=environ, **JSON), 413, "request-body-too-large"
     )
-    assert (counter.calls, _records(store)) == (0, 0)
+    assert (counter.calls, record_count(store)) == (0, 0)
     exact = json.dumps({"amount": 1, "note": "x" * (100 - 25)}).encode()
     assert len(exact) == 100
     assert post(app.test_client(), "exact", exact).status_code == 201
@@ -211,7 +206,7 @@ def test_a_multipart_form_parsed_before_the_claim_is_refused(
         headers={"Idempotency-Key": "multipart"},
     )
     assert_problem(response, 500, "internal-error")
-    assert (counter.calls, _records(store)) == (0, 0)
+    assert (counter.calls, record_count(store)) == (0, 0)
 
 
 @pytest.mark.parametrize("where", ["config", "request"])
@@ -231,4 +226,4 @@ def test_the_applications_own_body_limit_still_holds_with_a_key(
 
     big = json.dumps({"amount": 1, "note": "x" * 64}).encode()
     assert post(app.test_client(), "big", big).status_code == 413
-    assert (counter.calls, _records(store)) == (0, 0)
+    assert (counter.calls, record_count(store)) == (0, 0)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import flask
 import pytest
-import sqlalchemy as sa
 from click.testing import Result
 
 from flask_idem import Idempotency, Scope, State, StoredResponse, create_store
@@ -29,7 +28,7 @@ from flask_idem.core.idempotency_keys import key_hash
 from flask_idem.core.key_digest import unkeyed
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore
-from tests.support.helpers import Counter, shift
+from tests.support.helpers import Counter, partition_names, run_sql, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 FP = hashlib.sha256(b"request").digest()
@@ -49,34 +48,19 @@ def _pay(app: flask.Flask, key: str, tenant: str = "alpha") -> flask.Response:
     return response
 
 
-def _sql(store: SQLStore, statement: str) -> list[t.Any]:
-    with store.engine.begin() as conn:
-        result = conn.execute(sa.text(statement))
-        return list(result.scalars()) if result.returns_rows else []
-
-
 @pytest.fixture
 def restore_partitions(store: SQLStore) -> t.Iterator[None]:
     """Maintenance drops yesterday's empty partition: give later tests a fresh migration's."""
     yield
     if store.dialect == "postgresql":
-        _sql(store, "SELECT idempotency_create_partitions(7, false, 1)")
+        run_sql(store, "SELECT idempotency_create_partitions(7, false, 1)")
 
 
 def _partition(store: SQLStore, days_ahead: int) -> str:
-    day = _sql(
+    day = run_sql(
         store, f"SELECT to_char((now() AT TIME ZONE 'UTC')::date + {days_ahead}, 'YYYYMMDD')"
     )
-    return f"idempotency_keys_p{day[0]}"
-
-
-def _partitions(store: SQLStore) -> set[str]:
-    names = _sql(
-        store,
-        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-        "WHERE i.inhparent = 'idempotency_keys'::regclass",
-    )
-    return set(names)
+    return f"idempotency_keys_p{day[0][0]}"
 
 
 # -- the group -------------------------------------------------------------------------------
@@ -120,17 +104,17 @@ def test_maintain_creates_missing_partitions_idempotently(store: SQLStore) -> No
         assert idem(app, "maintain").stdout == "purged 0 expired rows\n"
         return
     missing = _partition(store, 3)
-    _sql(store, f"DROP TABLE {missing}")
+    run_sql(store, f"DROP TABLE {missing}")
 
     dry = idem(app, "maintain", "--dry-run")
     assert dry.exit_code == 0, dry.output
     assert f"would create 1 partition: {missing}\n" in dry.stdout
-    assert missing not in _partitions(store), "a dry run changes nothing"
+    assert missing not in partition_names(store), "a dry run changes nothing"
 
     done = idem(app, "maintain")
     assert f"created 1 partition: {missing}\n" in done.stdout
     assert "purged 0 expired rows" in done.stdout
-    assert missing in _partitions(store)
+    assert missing in partition_names(store)
 
     again = json.loads(idem(app, "maintain", "--json").stdout)
     assert again == {
@@ -152,13 +136,13 @@ def test_maintain_removes_expired_records(store: SQLStore) -> None:
     shift(store, expired, 91)
     if store.dialect == "postgresql":
         # Two days back, in a partition of its own: the whole partition goes, no row delete.
-        _sql(store, "SELECT idempotency_create_partitions(0, false, 2)")
+        run_sql(store, "SELECT idempotency_create_partitions(0, false, 2)")
         shift(store, expired, 2 * 86400)
         gone = _partition(store, -2)
         report = json.loads(idem(app, "maintain", "--dry-run", "--json").stdout)
         assert gone in report["dropped"] and report["dry_run"]
         assert gone in idem(app, "maintain").stdout
-        assert gone not in _partitions(store)
+        assert gone not in partition_names(store)
     else:
         dry = idem(app, "maintain", "--dry-run", "--json")
         assert json.loads(dry.stdout) == {
@@ -181,14 +165,14 @@ def test_init_app_creates_missing_partitions_when_configured(store: SQLStore) ->
         Idempotency(app, store=store, tenant=lambda: "alpha")  # a read-only check: no error
         return
     missing = _partition(store, 2)
-    _sql(store, f"DROP TABLE {missing}")
+    run_sql(store, f"DROP TABLE {missing}")
     Idempotency(flask.Flask("off"), store=store, tenant=lambda: "alpha")
-    assert missing not in _partitions(store), "off by default"
+    assert missing not in partition_names(store), "off by default"
 
     app = flask.Flask("startup")
     app.config["IDEMPOTENCY_ENSURE_PARTITIONS"] = True
     Idempotency(app, store=store, tenant=lambda: "alpha")
-    assert missing in _partitions(store)
+    assert missing in partition_names(store)
 
 
 def test_start_up_check_never_stops_the_app(caplog: pytest.LogCaptureFixture) -> None:

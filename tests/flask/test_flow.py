@@ -15,15 +15,10 @@ import sqlalchemy as sa
 from flask_idem import Idempotency, Problem, Scope, State, create_store, signals
 from flask_idem.store import SQLStore
 from tests.support.answers import assert_problem, post
-from tests.support.helpers import Counter, count_statements, shift
+from tests.support.helpers import Counter, count_statements, record_count, shift
 
 Factory = t.Callable[..., tuple[flask.Flask, Idempotency, Counter]]
 PAYMENTS = "POST /payments"
-
-
-def _rows(store: SQLStore) -> int:
-    with store.engine.connect() as conn:
-        return int(conn.execute(sa.text("SELECT count(*) FROM idempotency_keys")).scalar_one())
 
 
 # -- replay ----------------------------------------------------------------------------------
@@ -94,7 +89,7 @@ def test_missing_key_is_400_and_stores_nothing(app_factory: Factory, store: SQLS
     app, _, counter = app_factory()
     response = post(app.test_client(), key=None)
     assert_problem(response, 400, "idempotency-key-missing")
-    assert counter.calls == 0 and _rows(store) == 0
+    assert counter.calls == 0 and record_count(store) == 0
 
 
 @pytest.mark.parametrize(
@@ -120,7 +115,7 @@ def test_invalid_key_is_400_and_stores_nothing(
     response = app.test_client().post("/payments", json={"amount": 1}, headers=headers)
     assert_problem(response, 400, "idempotency-key-invalid")
     assert response.headers.get("Idempotency-Key") == echo
-    assert counter.calls == 0 and _rows(store) == 0
+    assert counter.calls == 0 and record_count(store) == 0
 
 
 def test_every_allowed_character_and_255_long_keys_work(app_factory: Factory) -> None:
@@ -151,7 +146,7 @@ def test_two_different_keys_are_400(app_factory: Factory, store: SQLStore) -> No
     app, _, counter = app_factory()
     response = post(app.test_client(), key="one", **{"X-Idempotency-Key": "two"})
     assert_problem(response, 400, "idempotency-key-invalid")
-    assert counter.calls == 0 and _rows(store) == 0
+    assert counter.calls == 0 and record_count(store) == 0
 
 
 def test_get_ignores_the_header(app_factory: Factory, store: SQLStore) -> None:
@@ -162,7 +157,7 @@ def test_get_ignores_the_header(app_factory: Factory, store: SQLStore) -> None:
         assert response.status_code == 200
         assert "Idempotent-Replayed" not in response.headers
         assert "Idempotency-Key" not in response.headers
-    assert counter.calls == 2 and _rows(store) == 0
+    assert counter.calls == 2 and record_count(store) == 0
 
 
 def test_optional_key_without_key_runs_unprotected(app_factory: Factory, store: SQLStore) -> None:
@@ -170,7 +165,7 @@ def test_optional_key_without_key_runs_unprotected(app_factory: Factory, store: 
     client = app.test_client()
     assert post(client, key=None).status_code == 201
     assert post(client, key=None).status_code == 201
-    assert counter.calls == 2 and _rows(store) == 0
+    assert counter.calls == 2 and record_count(store) == 0
     post(client)
     assert post(client).headers["Idempotent-Replayed"] == "true"
 
@@ -194,7 +189,7 @@ def test_tenants_and_endpoints_are_independent(app_factory: Factory) -> None:
 def test_no_tenant_no_claim(app_factory: Factory, store: SQLStore) -> None:
     app, _, counter = app_factory(tenant=None)
     assert_problem(post(app.test_client()), 500, "tenant-unresolved")
-    assert counter.calls == 0 and _rows(store) == 0
+    assert counter.calls == 0 and record_count(store) == 0
 
 
 # -- in flight, lease, unknown ----------------------------------------------------------------
@@ -340,7 +335,7 @@ def test_never_stored_statuses_release_the_key(
     for _ in range(2):
         response = client.post(f"/status/{code}", headers={"Idempotency-Key": "k"})
         assert response.status_code == code and "Idempotent-Replayed" not in response.headers
-    assert counter.calls == 2 and _rows(store) == 0
+    assert counter.calls == 2 and record_count(store) == 0
 
 
 @pytest.mark.parametrize("code", [200, 400, 402, 404, 409, 500])
@@ -368,7 +363,7 @@ def test_unhandled_exception_releases_the_key(app_factory: Factory, store: SQLSt
         assert_problem(response, 500, "internal-error")
         assert response.headers["Idempotency-Key"] == "c"
         assert counter.calls == attempt
-    assert _rows(store) == 0
+    assert record_count(store) == 0
 
 
 def test_exception_after_a_side_effect_marks_the_key_unknown(
@@ -481,7 +476,7 @@ def test_answers_before_the_claim_echo_the_key(store: SQLStore) -> None:
     assert invalid.status_code == 401 and invalid.headers["Idempotency-Key"] == "bad key"
     unprintable = post(app.test_client(), key="ключ".encode().decode("latin-1"))
     assert unprintable.status_code == 401 and "Idempotency-Key" not in unprintable.headers
-    assert ran == [] and _rows(store) == 0
+    assert ran == [] and record_count(store) == 0
 
 
 # -- business transaction -------------------------------------------------------------------

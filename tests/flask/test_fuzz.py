@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from flask_idem import Idempotency
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import create_store
+from tests.support.helpers import record_count
 
 FUZZ = settings(
     max_examples=120,
@@ -120,9 +121,7 @@ def extension_app(tmp_path_factory: pytest.TempPathFactory) -> flask.Flask:
 
 
 def _records(app: flask.Flask) -> int:
-    store = app.extensions["idempotency"].store
-    with store.engine.connect() as conn:
-        return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())
+    return record_count(app.extensions["idempotency"].store)
 
 
 def _check(app: flask.Flask, response: t.Any, before: int) -> None:

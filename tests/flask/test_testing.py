@@ -76,13 +76,11 @@ def idem_database_url(request: pytest.FixtureRequest, tmp_path: t.Any) -> str:
     return str(request.getfixturevalue("fresh_pg_database")())
 
 
-def test_idem_store_fixture_is_migrated_and_empty(idem_store: SQLStore) -> None:
-    scope = Scope("t", "POST /x", "k")
-    assert idem_store.get(scope) is None
-    assert idem_store.claim(scope, b"\0" * 32, ttl=60, lease=30).claimed
-
+def _orders_app(store: SQLStore, **config: t.Any) -> tuple[Flask, Counter]:
+    """An app protecting ``POST /orders`` on ``store``, and the counter of its view's runs."""
     app = Flask("kit")
-    idem = Idempotency(app, store=idem_store, tenant=lambda: "alpha")
+    app.config.update(config)
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
     counter = Counter()
 
     @app.post("/orders")
@@ -90,6 +88,15 @@ def test_idem_store_fixture_is_migrated_and_empty(idem_store: SQLStore) -> None:
     def create_order() -> t.Any:
         return {"order": counter.bump()}, 201
 
+    return app, counter
+
+
+def test_idem_store_fixture_is_migrated_and_empty(idem_store: SQLStore) -> None:
+    scope = Scope("t", "POST /x", "k")
+    assert idem_store.get(scope) is None
+    assert idem_store.claim(scope, b"\0" * 32, ttl=60, lease=30).claimed
+
+    app, counter = _orders_app(idem_store)
     responses = assert_ran_once(app.test_client(), "/orders", json={"total": 5}, times=4)
     assert [r.status_code for r in responses] == [201] * 4
     assert counter.calls == 1
@@ -98,17 +105,9 @@ def test_idem_store_fixture_is_migrated_and_empty(idem_store: SQLStore) -> None:
 def test_assert_ran_once_sends_the_apps_header(idem_store: SQLStore) -> None:
     """Without ``header=``, the key goes in the app's ``IDEMPOTENCY_HEADER``: in the default
     header an app configured otherwise would answer 400 key-missing."""
-    app = Flask(__name__)
-    app.config["IDEMPOTENCY_HEADER"] = "X-Request-Key"
-    app.config["IDEMPOTENCY_HEADER_ALIASES"] = ()
-    idem = Idempotency(app, store=idem_store, tenant=lambda: "alpha")
-    counter = Counter()
-
-    @app.post("/orders")
-    @idem.idempotent
-    def create_order() -> t.Any:
-        return {"order": counter.bump()}, 201
-
+    app, counter = _orders_app(
+        idem_store, IDEMPOTENCY_HEADER="X-Request-Key", IDEMPOTENCY_HEADER_ALIASES=()
+    )
     responses = assert_ran_once(app.test_client(), "/orders", json={"total": 5})
     assert [r.status_code for r in responses] == [201] * 3
     assert counter.calls == 1

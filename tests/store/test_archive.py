@@ -21,7 +21,7 @@ from flask_idem.ops.metrics import exposition
 from flask_idem.ops.migrate import upgrade
 from flask_idem.store import SQLStore
 from tests.support.drivers import PG_DRIVERS, spelled_for
-from tests.support.helpers import store_on
+from tests.support.helpers import partition_names, run_sql, store_on
 
 FP = hashlib.sha256(b"request").digest()
 DAY = 86400
@@ -41,33 +41,20 @@ def store(request: pytest.FixtureRequest, archive_url: str) -> t.Iterator[SQLSto
     """An empty store, through each driver, on a fresh migration's partitions (yesterday to
     7 days ahead) and no archive schema; archiving is left for each test to switch on."""
     with store_on(spelled_for(archive_url, request.param)) as store:
-        _sql(store, "DROP SCHEMA IF EXISTS idempotency_archive CASCADE")
-        _sql(store, "SELECT idempotency_create_partitions(7, false, 1)")
+        run_sql(store, "DROP SCHEMA IF EXISTS idempotency_archive CASCADE")
+        run_sql(store, "SELECT idempotency_create_partitions(7, false, 1)")
         yield store
 
 
-def _sql(store: SQLStore, statement: str, **params: t.Any) -> list[sa.Row[t.Any]]:
-    with store.engine.begin() as conn:
-        result = conn.execute(sa.text(statement), params)
-        return list(result.all()) if result.returns_rows else []
-
-
 def _yesterday(store: SQLStore) -> str:
-    day = _sql(store, "SELECT to_char((now() AT TIME ZONE 'UTC')::date - 1, 'YYYYMMDD')")
+    day = run_sql(store, "SELECT to_char((now() AT TIME ZONE 'UTC')::date - 1, 'YYYYMMDD')")
     return f"idempotency_keys_p{day[0][0]}"
 
 
-def _partitions(store: SQLStore) -> set[str]:
-    rows = _sql(
-        store,
-        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-        "WHERE i.inhparent = 'idempotency_keys'::regclass",
-    )
-    return {row[0] for row in rows}
-
-
 def _archived(store: SQLStore) -> set[str]:
-    rows = _sql(store, "SELECT tablename FROM pg_tables WHERE schemaname = 'idempotency_archive'")
+    rows = run_sql(
+        store, "SELECT tablename FROM pg_tables WHERE schemaname = 'idempotency_archive'"
+    )
     return {row[0] for row in rows}
 
 
@@ -75,7 +62,7 @@ def _claim_yesterday(store: SQLStore, scope: Scope, *, expired: bool) -> None:
     """A record claimed yesterday at noon, past its TTL (and its lease) or live for a week."""
     store.claim(scope, FP, ttl=60, lease=30)
     ttl = "interval '60 seconds'" if expired else "interval '8 days'"
-    _sql(
+    run_sql(
         store,
         "UPDATE idempotency_keys SET "
         "created_at = (now() AT TIME ZONE 'UTC')::date - interval '12 hours', "
@@ -89,9 +76,9 @@ def _claim_yesterday(store: SQLStore, scope: Scope, *, expired: bool) -> None:
 def _archived_days_ago(store: SQLStore, name: str, days: int) -> None:
     """Move an archived partition's mark into the past (SQL, never sleep)."""
     then = f"(now() AT TIME ZONE 'UTC') - interval '{days} days'"
-    when = _sql(store, f"SELECT to_char({then}, 'YYYY-MM-DD\"T\"HH24:MI:SS')")[0][0]
+    when = run_sql(store, f"SELECT to_char({then}, 'YYYY-MM-DD\"T\"HH24:MI:SS')")[0][0]
     mark = f"flask_idem archived at {when}+00:00"
-    _sql(store, f"COMMENT ON TABLE idempotency_archive.{name} IS '{mark}'")
+    run_sql(store, f"COMMENT ON TABLE idempotency_archive.{name} IS '{mark}'")
 
 
 def test_an_expired_partition_is_detached_into_the_archive_with_its_rows(
@@ -105,8 +92,8 @@ def test_an_expired_partition_is_detached_into_the_archive_with_its_rows(
     report = store.maintain(ahead=7)
 
     assert report.archived == (yesterday,) and report.dropped == ()
-    assert yesterday not in _partitions(store) and _archived(store) == {yesterday}
-    rows = _sql(store, f"SELECT tenant, key FROM idempotency_archive.{yesterday}")
+    assert yesterday not in partition_names(store) and _archived(store) == {yesterday}
+    rows = run_sql(store, f"SELECT tenant, key FROM idempotency_archive.{yesterday}")
     assert [tuple(row) for row in rows] == [("alpha", unkeyed("alpha", "old"))], (
         "the rows went with it"
     )
@@ -121,7 +108,7 @@ def test_a_partition_with_a_live_record_is_not_archived(store: SQLStore) -> None
     scope = Scope("alpha", "POST /v1/payments", "live")
     _claim_yesterday(store, scope, expired=False)
     report = store.maintain(ahead=7)
-    assert report.archived == () and _yesterday(store) in _partitions(store)
+    assert report.archived == () and _yesterday(store) in partition_names(store)
     assert store.get(scope) is not None
 
 
@@ -142,8 +129,8 @@ def test_archived_partitions_are_dropped_after_their_retention(store: SQLStore) 
 
 def test_a_table_flask_idem_did_not_archive_is_never_dropped(store: SQLStore) -> None:
     store.use_archive(ARCHIVE)
-    _sql(store, "CREATE SCHEMA idempotency_archive")
-    _sql(store, "CREATE TABLE idempotency_archive.idempotency_keys_p20000101 (id int)")
+    run_sql(store, "CREATE SCHEMA idempotency_archive")
+    run_sql(store, "CREATE TABLE idempotency_archive.idempotency_keys_p20000101 (id int)")
     report = store.maintain(ahead=7)
     assert report.archive_dropped == ()
     assert "idempotency_keys_p20000101" in _archived(store)
@@ -159,10 +146,10 @@ def test_a_name_taken_in_the_archive_leaves_the_partition_and_upkeep_goes_on(
     scope = Scope("alpha", "POST /v1/payments", "old")
     _claim_yesterday(store, scope, expired=True)
     yesterday = _yesterday(store)
-    _sql(store, "CREATE SCHEMA idempotency_archive")
-    _sql(store, f"CREATE TABLE idempotency_archive.{yesterday} (copy text)")
-    _sql(store, f"INSERT INTO idempotency_archive.{yesterday} VALUES ('the operator''s')")
-    _sql(store, "CREATE TABLE idempotency_archive.idempotency_keys_p20000101 (id int)")
+    run_sql(store, "CREATE SCHEMA idempotency_archive")
+    run_sql(store, f"CREATE TABLE idempotency_archive.{yesterday} (copy text)")
+    run_sql(store, f"INSERT INTO idempotency_archive.{yesterday} VALUES ('the operator''s')")
+    run_sql(store, "CREATE TABLE idempotency_archive.idempotency_keys_p20000101 (id int)")
     _archived_days_ago(store, "idempotency_keys_p20000101", 2)
 
     with caplog.at_level("WARNING", logger="flask_idem"):
@@ -171,12 +158,12 @@ def test_a_name_taken_in_the_archive_leaves_the_partition_and_upkeep_goes_on(
 
     assert report.archived == () and again.archived == () and report.dropped == ()
     assert report.archive_dropped == ("idempotency_keys_p20000101",), "upkeep went on"
-    assert yesterday in _partitions(store) and _archived(store) == {yesterday}
-    rows = _sql(store, f"SELECT tenant, key FROM public.{yesterday}")
+    assert yesterday in partition_names(store) and _archived(store) == {yesterday}
+    rows = run_sql(store, f"SELECT tenant, key FROM public.{yesterday}")
     assert [tuple(row) for row in rows] == [("alpha", unkeyed("alpha", "old"))], (
         "its rows stay in the hot table"
     )
-    copy = _sql(store, f"SELECT copy FROM idempotency_archive.{yesterday}")
+    copy = run_sql(store, f"SELECT copy FROM idempotency_archive.{yesterday}")
     assert [tuple(row) for row in copy] == [("the operator's",)], "the other table untouched"
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(f"{yesterday} stays attached" in message for message in warnings)
@@ -187,7 +174,7 @@ def test_a_dry_run_archives_nothing(store: SQLStore) -> None:
     store.use_archive(ARCHIVE)
     yesterday = _yesterday(store)
     assert store.maintain(ahead=7, dry_run=True).archived == (yesterday,)
-    assert yesterday in _partitions(store) and _archived(store) == set()
+    assert yesterday in partition_names(store) and _archived(store) == set()
 
 
 def test_a_busy_table_leaves_the_partition_for_the_next_run(store: SQLStore) -> None:
@@ -212,7 +199,7 @@ def test_a_busy_table_leaves_the_partition_for_the_next_run(store: SQLStore) -> 
         release.set()
         holder.join()
     assert report.archived == () and report.dropped == ()
-    assert yesterday in _partitions(store)
+    assert yesterday in partition_names(store)
     assert store.maintain(ahead=7).archived == (yesterday,)
 
 

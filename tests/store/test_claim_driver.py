@@ -1,4 +1,4 @@
-"""The claim on the driver's cursor (``PostgresStore._claim_row`` and ``_driver_row``) keeps
+"""The claim on the driver's cursor (``PostgresStore._claim_row``) keeps
 what SQLAlchemy's own execution does: the same statement and record, SQLAlchemy's exceptions,
 the pool renewed on a disconnect, an interrupted connection discarded, the engine's autocommit
 setting kept, and everything that watches an engine (cursor and ``handle_error`` listeners,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import typing as t
 
@@ -12,7 +11,7 @@ import sqlalchemy as sa
 from flask_idem import Scope, State, StoredResponse
 from flask_idem.core.key_digest import unkeyed
 from flask_idem.store import SQLStore
-from tests.support.helpers import count_statements
+from tests.support.helpers import bound_parameters, count_statements, partition_names, run_sql
 
 FP = hashlib.sha256(b"request").digest()
 RESPONSE = StoredResponse(201, (("Content-Type", "application/json"),), b"{}")
@@ -22,19 +21,13 @@ RESPONSE = StoredResponse(201, (("Content-Type", "application/json"),), b"{}")
 def _restore_partitions(pg_store: SQLStore) -> object:
     """Run each test on the partitions a fresh migration has (yesterday to 7 days ahead), and
     leave them so (other test files run upkeep too)."""
-    _sql(pg_store, "SELECT idempotency_create_partitions(7, false, 1)")
+    run_sql(pg_store, "SELECT idempotency_create_partitions(7, false, 1)")
     yield
-    _sql(pg_store, "SELECT idempotency_create_partitions(7, false, 1)")
-
-
-def _sql(store: SQLStore, statement: str, **params: object) -> list[sa.Row[object]]:
-    with store.engine.begin() as conn:
-        result = conn.execute(sa.text(statement), params)
-        return list(result.all()) if result.returns_rows else []
+    run_sql(pg_store, "SELECT idempotency_create_partitions(7, false, 1)")
 
 
 def _partition_of(store: SQLStore, scope: Scope) -> str:
-    rows = _sql(
+    rows = run_sql(
         store,
         "SELECT tableoid::regclass::text FROM idempotency_keys WHERE key = :key",
         key=unkeyed(scope.tenant, scope.key),
@@ -43,25 +36,16 @@ def _partition_of(store: SQLStore, scope: Scope) -> str:
     return str(rows[0][0])
 
 
-def _partitions(store: SQLStore) -> set[str]:
-    rows = _sql(
-        store,
-        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-        "WHERE i.inhparent = 'idempotency_keys'::regclass",
-    )
-    return {str(row[0]) for row in rows}
-
-
 def _day(offset: int) -> str:
     return f"to_char((now() AT TIME ZONE 'UTC')::date + {offset}, 'YYYYMMDD')"
 
 
 def _name(store: SQLStore, offset: int) -> str:
-    return "idempotency_keys_p" + str(_sql(store, f"SELECT {_day(offset)}")[0][0])
+    return "idempotency_keys_p" + str(run_sql(store, f"SELECT {_day(offset)}")[0][0])
 
 
 def _move_to_day(store: SQLStore, scope: Scope, offset: int, hour: int = 12) -> None:
-    _sql(
+    run_sql(
         store,
         "UPDATE idempotency_keys SET created_at = "
         f"(date_trunc('day', now() AT TIME ZONE 'UTC') + make_interval(days => {offset}, "
@@ -71,12 +55,12 @@ def _move_to_day(store: SQLStore, scope: Scope, offset: int, hour: int = 12) -> 
 
 
 def test_table_is_declaratively_partitioned(pg_store: SQLStore) -> None:
-    strategy = _sql(
+    strategy = run_sql(
         pg_store,
         "SELECT partstrat FROM pg_partitioned_table WHERE partrelid = 'idempotency_keys'::regclass",
     )
     assert strategy == [("r",)]
-    partitions = _partitions(pg_store)
+    partitions = partition_names(pg_store)
     assert "idempotency_keys_default" in partitions
     for offset in range(-1, 8):
         assert _name(pg_store, offset) in partitions
@@ -89,7 +73,7 @@ def test_claims_land_in_todays_partition_and_never_in_default(
         pg_store.claim(Scope("t", "e", f"k{n}"), FP, ttl=60, lease=30)
     pg_store.claim(scope, FP, ttl=60, lease=30)
     assert _partition_of(pg_store, scope) == _name(pg_store, 0)
-    assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys_default") == [(0,)]
+    assert run_sql(pg_store, "SELECT count(*) FROM idempotency_keys_default") == [(0,)]
 
 
 def test_live_record_in_yesterdays_partition_blocks_todays_claim(
@@ -110,7 +94,7 @@ def test_expired_record_in_yesterdays_partition_does_not_block(
     pg_store.claim(scope, FP, ttl=60, lease=30)
     _move_to_day(pg_store, scope, -1)
     # Expired: past its TTL, and its owner's lease ran out more than a TTL ago too.
-    _sql(
+    run_sql(
         pg_store,
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second', "
         "lease_expires_at = created_at",
@@ -121,10 +105,10 @@ def test_expired_record_in_yesterdays_partition_does_not_block(
 def test_maintain_creates_partitions_ahead(pg_store: SQLStore) -> None:
     report = pg_store.maintain(ahead=10, dry_run=True)
     assert report.created == (_name(pg_store, 8), _name(pg_store, 9), _name(pg_store, 10))
-    assert _name(pg_store, 10) not in _partitions(pg_store), "a dry run changes nothing"
+    assert _name(pg_store, 10) not in partition_names(pg_store), "a dry run changes nothing"
     report = pg_store.maintain(ahead=10)
     assert report.created == (_name(pg_store, 8), _name(pg_store, 9), _name(pg_store, 10))
-    assert _name(pg_store, 10) in _partitions(pg_store)
+    assert _name(pg_store, 10) in partition_names(pg_store)
     assert pg_store.maintain(ahead=10).created == (), "maintenance is idempotent"
 
 
@@ -144,7 +128,7 @@ def test_maintain_leaves_rows_in_default_and_their_owner_keeps_its_claim(
     record = pg_store.get(scope)
     assert record is not None and record.state is State.COMPLETED
     # Once the row has expired and been purged, the range gets its partition.
-    _sql(
+    run_sql(
         pg_store,
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE key = :k",
         k=unkeyed(scope.tenant, scope.key),
@@ -154,13 +138,13 @@ def test_maintain_leaves_rows_in_default_and_their_owner_keeps_its_claim(
 
 
 def test_maintain_drops_only_fully_expired_partitions(pg_store: SQLStore) -> None:
-    _sql(pg_store, "SELECT idempotency_create_partitions(0, false, 5)")
+    run_sql(pg_store, "SELECT idempotency_create_partitions(0, false, 5)")
     expired, live = Scope("t", "e", "expired"), Scope("t", "e", "live")
     for s in (expired, live):
         pg_store.claim(s, FP, ttl=30 * 86400, lease=30)
     _move_to_day(pg_store, expired, -4)
     _move_to_day(pg_store, live, -3)
-    _sql(
+    run_sql(
         pg_store,
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 hour', "
         "lease_expires_at = created_at WHERE key = :key",
@@ -168,9 +152,9 @@ def test_maintain_drops_only_fully_expired_partitions(pg_store: SQLStore) -> Non
     )
     report = pg_store.maintain(ahead=7, dry_run=True)
     assert _name(pg_store, -4) in report.dropped
-    assert _name(pg_store, -4) in _partitions(pg_store)
+    assert _name(pg_store, -4) in partition_names(pg_store)
     report = pg_store.maintain(ahead=7)
-    partitions = _partitions(pg_store)
+    partitions = partition_names(pg_store)
     assert _name(pg_store, -4) in report.dropped and _name(pg_store, -4) not in partitions
     assert _name(pg_store, -5) in report.dropped, "an empty past partition goes too"
     assert _name(pg_store, -3) not in report.dropped and _name(pg_store, -3) in partitions
@@ -182,13 +166,13 @@ def test_maintain_purges_expired_rows_from_default(pg_store: SQLStore, scope: Sc
     pg_store.claim(scope, FP, ttl=60, lease=30)
     _move_to_day(pg_store, scope, 40)
     # Expired: past its TTL, and its owner's lease ran out more than a TTL ago too.
-    _sql(
+    run_sql(
         pg_store,
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second', "
         "lease_expires_at = created_at",
     )
     assert pg_store.maintain(ahead=7).purged == 1
-    assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys") == [(0,)]
+    assert run_sql(pg_store, "SELECT count(*) FROM idempotency_keys") == [(0,)]
 
 
 def test_upkeep_under_concurrent_claims_loses_nothing(pg_store: SQLStore) -> None:
@@ -215,7 +199,7 @@ def test_upkeep_under_concurrent_claims_loses_nothing(pg_store: SQLStore) -> Non
         thread.start()
     try:
         for _ in range(5):
-            _sql(pg_store, "SELECT idempotency_create_partitions(0, false, 5)")
+            run_sql(pg_store, "SELECT idempotency_create_partitions(0, false, 5)")
             report = pg_store.maintain(ahead=9)
             assert _name(pg_store, -3) in report.dropped
     finally:
@@ -225,7 +209,7 @@ def test_upkeep_under_concurrent_claims_loses_nothing(pg_store: SQLStore) -> Non
     assert [repr(f.__cause__)[:300] for f in failures] == []
     assert len(claimed) > 50
     assert all(pg_store.get(scope) is not None for scope in claimed[::10])
-    assert _sql(pg_store, "SELECT count(*) FROM idempotency_keys_default") == [(0,)]
+    assert run_sql(pg_store, "SELECT count(*) FROM idempotency_keys_default") == [(0,)]
 
 
 # -- the claim's horizon (migration 0006) ---------------------------------------------------
@@ -272,7 +256,7 @@ def test_a_claim_probes_no_partition_starting_a_day_or_more_ahead(
 
 def _date_ahead(store: SQLStore, scope: Scope, ahead: str) -> None:
     """Date the record ``ahead`` of the database clock: what a clock stepped back leaves."""
-    _sql(
+    run_sql(
         store,
         f"UPDATE idempotency_keys SET created_at = now() + interval '{ahead}' WHERE key = :key",
         key=unkeyed(scope.tenant, scope.key),
@@ -291,7 +275,7 @@ def test_a_record_dated_up_to_a_day_ahead_still_blocks_a_claim(
     again = pg_store.claim(scope, FP, ttl=3 * 86400, lease=30)
     assert not again.claimed and again.record.response == RESPONSE
     _date_ahead(pg_store, scope, "0 seconds")  # back to today, then tomorrow unpartitioned
-    _sql(pg_store, f"DROP TABLE {_name(pg_store, 1)}")  # the fixture makes it again
+    run_sql(pg_store, f"DROP TABLE {_name(pg_store, 1)}")  # the fixture makes it again
     _date_ahead(pg_store, scope, "23 hours 59 minutes")
     assert _partition_of(pg_store, scope) in (_name(pg_store, 0), "idempotency_keys_default")
     assert not pg_store.claim(scope, FP, ttl=3 * 86400, lease=30).claimed
@@ -314,7 +298,7 @@ def test_a_record_claimed_long_ago_and_live_from_its_end_blocks_from_default(
     DEFAULT) that completed an hour ago is live for its TTL from its end, and blocks."""
     token = pg_store.claim(scope, FP, ttl=86400, lease=30).token
     assert pg_store.complete(scope, token, RESPONSE)
-    _sql(
+    run_sql(
         pg_store,
         "UPDATE idempotency_keys SET created_at = now() - interval '40 days', "
         "expires_at = now() - interval '39 days', completed_at = now() - interval '1 hour' "
@@ -324,21 +308,6 @@ def test_a_record_claimed_long_ago_and_live_from_its_end_blocks_from_default(
     assert _partition_of(pg_store, scope) == "idempotency_keys_default"
     again = pg_store.claim(scope, FP, ttl=86400, lease=30)
     assert not again.claimed and again.record.response == RESPONSE
-
-
-@contextlib.contextmanager
-def _parameters(engine: sa.Engine) -> t.Iterator[list[t.Any]]:
-    """The driver parameters of every statement the engine sends while the block runs."""
-    bound: list[t.Any] = []
-
-    def record(_conn: t.Any, _cursor: t.Any, _statement: str, parameters: t.Any, *_: t.Any) -> None:
-        bound.append(parameters)
-
-    sa.event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield bound
-    finally:
-        sa.event.remove(engine, "before_cursor_execute", record)
 
 
 #: The tenant's records per endpoint in the lookup test: a table the planner would rather
@@ -364,7 +333,7 @@ def test_a_lookup_by_key_without_its_endpoint_probes_the_primary_key(pg_store: S
     for endpoint in endpoints:
         pg_store.claim(Scope("t", endpoint, "k7"), FP, ttl=600, lease=30)
         # The tenant's other records, as claims write them (their keys: any other digests).
-        _sql(
+        run_sql(
             pg_store,
             "INSERT INTO idempotency_keys (tenant, endpoint, key, fingerprint, state,"
             " claim_token, lease_expires_at, created_at, expires_at)"
@@ -375,8 +344,8 @@ def test_a_lookup_by_key_without_its_endpoint_probes_the_primary_key(pg_store: S
             endpoint=endpoint,
             rows=ROWS_PER_ENDPOINT,
         )
-    _sql(pg_store, "ANALYZE idempotency_keys")
-    with count_statements(pg_store.engine) as seen, _parameters(pg_store.engine) as bound:
+    run_sql(pg_store, "ANALYZE idempotency_keys")
+    with count_statements(pg_store.engine) as seen, bound_parameters(pg_store.engine) as bound:
         found = pg_store.find("t", "k7")
     assert sorted(record.scope.endpoint for record in found) == endpoints
     statement = seen[-1]

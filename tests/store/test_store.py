@@ -21,8 +21,11 @@ from tests.support.drivers import db_url_on_each_driver  # noqa: F401 (the store
 from tests.support.helpers import count_statements
 
 
+@pytest.mark.usefixtures("sqlalchemy_path")
 class TestSQLStores(StoreContract):
-    """The exported contract, on each dialect (``store`` comes from conftest)."""
+    """The exported contract, on each dialect and driver, on both of the store's paths to the
+    driver (SQLAlchemy's private fast path and its public API only; ``store`` comes from
+    conftest)."""
 
 
 def test_times_come_from_the_database_clock(store: SQLStore, scope: Scope) -> None:

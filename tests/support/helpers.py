@@ -1,16 +1,19 @@
-"""Helpers the tiers share: empty stores and business tables, counting view runs and SQL
-statements, moving a record in time."""
+"""Helpers the tiers share: empty stores and business tables, raw SQL and the partitions it
+sees, counting view runs and SQL statements, moving a record in time."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import typing as t
 
 import sqlalchemy as sa
 
 from flask_idem.store import SQLStore, create_store
 from flask_idem.testing import age_record, empty_store
+
+T = t.TypeVar("T")
 
 #: Move the scope's record into the past (SQL, never sleep: the store reads the database clock).
 shift = age_record
@@ -27,6 +30,30 @@ def store_on(url: str) -> t.Iterator[SQLStore]:
     store.engine.dispose()
 
 
+def run_sql(store: SQLStore, statement: str, **params: t.Any) -> list[sa.Row[t.Any]]:
+    """Run ``statement`` on the store's engine in a transaction of its own, committed: its
+    rows, or none for a statement that returns none."""
+    with store.engine.begin() as conn:
+        result = conn.execute(sa.text(statement), params)
+        return list(result.all()) if result.returns_rows else []
+
+
+def record_count(store: SQLStore) -> int:
+    """How many records the store's table holds (every tenant, every partition)."""
+    with store.engine.connect() as conn:
+        return int(conn.exec_driver_sql("SELECT count(*) FROM idempotency_keys").scalar_one())
+
+
+def partition_names(store: SQLStore) -> set[str]:
+    """The names of the partitions attached to ``idempotency_keys`` (PostgreSQL)."""
+    rows = run_sql(
+        store,
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = 'idempotency_keys'::regclass",
+    )
+    return {str(row[0]) for row in rows}
+
+
 @contextlib.contextmanager
 def with_tables(store: SQLStore, *tables: sa.Table) -> t.Iterator[SQLStore]:
     """``store`` with business ``tables`` (a view's writes through ``idem.connection()``)
@@ -38,19 +65,38 @@ def with_tables(store: SQLStore, *tables: sa.Table) -> t.Iterator[SQLStore]:
         table.metadata.drop_all(store.engine)
 
 
-@contextlib.contextmanager
-def count_statements(engine: sa.Engine) -> t.Iterator[list[str]]:
+def count_statements(engine: sa.Engine) -> t.ContextManager[list[str]]:
     """Collect every SQL statement the engine sends while the block runs."""
-    seen: list[str] = []
+    return _sent(engine, lambda statement, _parameters: statement)
 
-    def record(_conn: t.Any, _cursor: t.Any, statement: str, *_args: t.Any) -> None:
-        seen.append(statement)
+
+def bound_parameters(engine: sa.Engine) -> t.ContextManager[list[t.Any]]:
+    """Collect the driver parameters of every statement the engine sends while the block
+    runs."""
+    return _sent(engine, lambda _statement, parameters: parameters)
+
+
+@contextlib.contextmanager
+def _sent(engine: sa.Engine, pick: t.Callable[[str, t.Any], T]) -> t.Iterator[list[T]]:
+    seen: list[T] = []
+
+    def record(_conn: t.Any, _cursor: t.Any, statement: str, parameters: t.Any, *_: t.Any) -> None:
+        seen.append(pick(statement, parameters))
 
     sa.event.listen(engine, "before_cursor_execute", record)
     try:
         yield seen
     finally:
         sa.event.remove(engine, "before_cursor_execute", record)
+
+
+def wait_until(condition: t.Callable[[], t.Any], what: str, timeout: float = 15) -> None:
+    """Poll ``condition`` until it holds; fail saying ``what`` was awaited after ``timeout``
+    seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 class Counter:

@@ -1,6 +1,7 @@
-"""The unit tier needs no database, no server and no process of its own: ``make test-unit``
-runs it where PostgreSQL is missing. A test here that asks for a database fails, saying where
-it belongs, instead of starting a cluster."""
+"""The unit tier needs no database and no server: ``make test-unit`` runs it where PostgreSQL
+is missing (a test may fork itself, as the deadline watchdog's does, never start a program). A
+test here that asks for a database fails, saying where it belongs, instead of starting a
+cluster."""
 
 from __future__ import annotations
 
