@@ -52,6 +52,7 @@ import enum
 import logging
 import time
 import typing as t
+import weakref
 
 import sqlalchemy as sa
 from blinker import NamedSignal
@@ -109,6 +110,8 @@ log = logging.getLogger("flask_idem")
 #: 409 ``request-in-progress`` hints this many seconds: the lease says when an owner counts
 #: as gone, not when it finishes, and most requests finish within a second.
 IN_FLIGHT_RETRY_AFTER = 1
+#: The attribute of a refusal naming the attempt that raised it (:meth:`Attempt.note_refusal`).
+_REFUSED_BY = "_flask_idem_refused_by"
 #: Seconds between two claims of a view waiting for the owner of its key (``IDEMPOTENCY_WAIT``).
 _WAIT_STEP = 0.05
 
@@ -269,6 +272,9 @@ class Outcome:
     #: A view claims again at once instead of answering (no event): it then finds what the
     #: winner left, its record in progress, completed or given back. A job answers the row.
     claims_again: bool = False
+    #: The run's answer may be recorded after all (a commit that failed may have gone
+    #: through): a view's problem makes no promise that no retry gets it back.
+    may_be_recorded: bool = False
 
     def http(self) -> Problem:
         """The problem a view answers."""
@@ -453,6 +459,7 @@ OUTCOMES: t.Final[t.Mapping[Found | Failure, Outcome]] = {
             "recorded. Retry with the same key: the retry replays it or finishes the operation, "
             "never runs it twice."
         ),
+        may_be_recorded=True,
     ),
     Failure.STORE_FAILED_UNCHANGED: Outcome(
         problem=StoreUnavailableProblem,
@@ -561,8 +568,6 @@ class Attempt:
     #: refusal (:meth:`went_on`); None while it runs, and for a run abandoned before its end
     #: was told (:meth:`run_ended`). A later move (an exception after the answer) keeps it.
     ended: Phase | None = dataclasses.field(default=None, init=False)
-    #: What ``idem.refuse()`` raised in this attempt's run, if it did (:meth:`note_refusal`).
-    refusal: BaseException | None = dataclasses.field(default=None, init=False)
     #: True while flask_idem itself commits or rolls the business transaction back: the
     #: commit guard and the session's listeners leave that to it.
     _settling: bool = dataclasses.field(default=False, init=False)
@@ -647,30 +652,37 @@ class Attempt:
             self._move(Phase.FAILED)
 
     def note_refusal(self, refusal: BaseException) -> None:
-        """``idem.refuse()`` raises ``refusal`` in this attempt's run: only that exception
-        ends the run as a refusal (:meth:`run_ended`). A refusal of a job run inside it (an
-        inline ``delay()``) that escapes is this run's crash: it may have had effects before
-        it called the job, so it never gives its key back."""
-        self.refusal = refusal
+        """``idem.refuse()`` raises ``refusal`` in this attempt's run: mark it as this
+        attempt's (a weak reference, so that an exception kept by the application keeps no
+        attempt alive). A refusal marked by another attempt, a job run inline inside this run,
+        that escapes is this run's crash (:meth:`run_ended`): the run may have had effects
+        before it called the job, so it never gives its key back."""
+        setattr(refusal, _REFUSED_BY, weakref.ref(self))
 
     def run_ended(
         self,
         error: BaseException | None = None,
         *,
+        refused: bool = False,
         answered: bool = False,
         status: int | None = None,
     ) -> None:
         """Tell the attempt how its view or job ended: one call for both adapters.
 
-        :param error: what it raised; None: it returned. Its own refusal
-            (:meth:`note_refusal`) refuses; any other exception that is not an answer is a
-            crash, also when an error handler renders it afterwards.
+        :param error: what it raised; None: it returned. Any exception that is neither a
+            refusal nor an answer is a crash, also when an error handler renders it afterwards.
+        :param refused: ``error`` is the adapter's refusal (``idem.refuse()``'s exception):
+            the run's own, unless another attempt marked it (:meth:`note_refusal`); one raised
+            where no attempt was current (a helper thread, a ``JobRefused`` raised directly)
+            is the run's.
         :param answered: ``error`` is the view's answer (an ``HTTPException``).
         :param status: that answer's status.
         """
-        if error is not None and error is self.refusal:
-            self.mark_refused()
-            return
+        if refused:
+            owner = getattr(error, _REFUSED_BY, None)
+            if owner is None or owner() is self:
+                self.mark_refused()
+                return
         self.went_on()
         if error is None or answered:
             self.mark_answered(raised=status)

@@ -55,7 +55,7 @@ import typing as t
 from flask import current_app, has_app_context, has_request_context
 
 from .attempt import OUTCOMES, Attempt, Ending, Failure
-from .core.errors import ConfigurationError, JobResultNotStored
+from .core.errors import ConfigurationError, JobRefused, JobResultNotStored
 from .core.fingerprint import fingerprint as canonical_fingerprint
 from .core.idempotency_keys import check_key, key_hash
 from .core.options import JobArgument, JobOptions
@@ -207,9 +207,9 @@ def _execute(
     try:
         value = function(*call.args, **call.kwargs)
     except BaseException as exc:
-        # Its own refusal (idem.refuse(): it did nothing), or a crash: any other exception, a
-        # refusal of a job it ran inline included, SystemExit and KeyboardInterrupt too.
-        attempt.run_ended(exc)
+        # Its refusal (idem.refuse(): it did nothing; one of a job it ran inline is a crash),
+        # or a crash: any other exception, SystemExit and KeyboardInterrupt too.
+        attempt.run_ended(exc, refused=isinstance(exc, JobRefused))
         attempt.end_run("job")
         raise
     attempt.run_ended()

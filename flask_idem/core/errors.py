@@ -93,7 +93,11 @@ class JobOutcomePending(JobError):
 
 class JobRefused(JobError):
     """The job answered through ``idem.refuse(value)``: it did nothing, its key was given back,
-    and a redelivery runs it again. ``value`` is what it refused with."""
+    and a redelivery runs it again. ``value`` is what it refused with.
+
+    One raised by a job run inline inside another job, and let through by it, says so of the
+    inner job only: the outer job's key is left ``unknown`` (it may have had effects before the
+    call), as after any other exception."""
 
     def __init__(self, message: str, *, value: t.Any = None) -> None:
         super().__init__(message)

@@ -26,9 +26,9 @@ import sqlalchemy as sa
 from flask import Flask
 
 from ..core import signals
-from ..core.config import DEFAULTS
+from ..core.config import EXTENSION_NAME
 from ..core.record import Scope
-from ..core.wire import REPLAYED_HEADER
+from ..core.wire import KEY_HEADER, REPLAYED_HEADER
 from ..ops.migrate import upgrade
 from ..store import RequestStore, SQLStore, create_store
 from ..store.table import AUDIT_TABLE_NAME, TABLE_NAME
@@ -169,7 +169,8 @@ def assert_ran_once(
         raise ValueError("a retry needs at least two requests")
     app = client.application
     key = key or f"test-{secrets.token_hex(8)}"
-    header = header or app.config.get("IDEMPOTENCY_HEADER", DEFAULTS["IDEMPOTENCY_HEADER"])
+    state = app.extensions.get(EXTENSION_NAME)  # the parsed settings, when init_app ran
+    header = header or (KEY_HEADER if state is None else state.settings.header)
     headers = {**dict(request.pop("headers", {}) or {}), header: key}
     with count_runs(app) as runs:
         responses = [

@@ -437,6 +437,8 @@ class Idempotency:
         ``unknown`` as any other failure, never released. In a job it raises
         :class:`~flask_idem.core.errors.JobRefused` carrying ``rv`` (retryable: the redelivery runs
         the job again). Without ``refuse`` a plain view's failure leaves the key ``unknown``.
+        The refusal is the run's that called it: one of a job run inline inside a view or
+        another job, let through by it, is that run's failure, never its refusal.
         """
         attempt = Attempt.current()
         refusal: Exception
@@ -446,7 +448,10 @@ class Idempotency:
             refusal = flow.Refusal(current_app.make_response(rv))
         if attempt is not None:
             attempt.note_refusal(refusal)
-        raise refusal
+        try:
+            raise refusal
+        finally:
+            del refusal  # raised from a local of its own frame, it would be a reference cycle
 
     def request_body(self) -> bytes:
         """The current request's body, read as the claim reads it: whole, and refused past

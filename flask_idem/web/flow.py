@@ -366,7 +366,7 @@ def run(call: t.Callable[..., t.Any], args: t.Any, kwargs: t.Any) -> ResponseRet
         if attempt is not None:
             attempt.flush()  # db.session's ORM writes: a failure here is the view's
     except Refusal as exc:
-        _told(exc)  # the view's own refusal; one of a job it ran is a crash
+        _told(exc, refused=True)
         raise
     except HTTPException as exc:
         _told(exc, answered=True, status=exc.code)
@@ -434,10 +434,9 @@ def _record(attempt: Attempt, response: Response) -> Response:
     snapshot = response_snapshot(attempt.app_state.settings, response)
     recording = attempt.record_result(snapshot, ran="view", status=response.status_code)
     if recording.failure is not None:
-        problem = OUTCOMES[recording.failure].http()
-        answer = problem_response(attempt.app_state, attempt, problem)
-        # After a failed commit the view's answer may be stored after all: no promise.
-        return answer if recording.failure is Failure.COMMIT_UNCERTAIN else unreplayed(answer)
+        outcome = OUTCOMES[recording.failure]
+        answer = problem_response(attempt.app_state, attempt, outcome.http())
+        return answer if outcome.may_be_recorded else unreplayed(answer)
     if not recording.recorded:
         # The client still learns what happened: a 4xx too large to store was given back
         # (a retry gets it again); effects outside a business transaction keep the key.

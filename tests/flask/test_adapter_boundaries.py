@@ -7,6 +7,8 @@ view's answer, rendered by the application's handler.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import typing as t
 
 import flask
@@ -72,6 +74,59 @@ def test_a_nested_jobs_refusal_escaping_a_job_leaves_the_outer_jobs_key_unknown(
     assert store.get(store.keys.scope("alpha", "JOB inner", "o-2")) is None  # its own refusal
     record = store.get(store.keys.scope("alpha", "JOB outer", "o-2"))
     assert record is not None and record.state is State.UNKNOWN, record
+
+
+def test_a_refusal_raised_where_no_attempt_is_current_is_the_runs_own(store: SQLStore) -> None:
+    """A quota check run in a helper thread (its own app context: no attempt there) and
+    re-raised by ``future.result()``, and a ``JobRefused`` a job raises itself: the run
+    refused, so the key is given back (a retry runs it again)."""
+    app = flask.Flask("own-refusals")
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def check_quota() -> None:
+        idem.refuse(({"error": "daily limit"}, 429))
+
+    @app.post("/orders")
+    @idem.idempotent
+    def create_order() -> t.Any:
+        pool.submit(flask.copy_current_request_context(check_quota)).result()
+        return {"ok": True}, 201
+
+    @idem.job("direct", key="order", tenant="merchant")
+    def direct(merchant: str, order: str) -> None:
+        raise JobRefused("over the quota", value={"later": True})
+
+    try:
+        response = app.test_client().post("/orders", headers={"Idempotency-Key": "thread-1"})
+    finally:
+        pool.shutdown()
+    assert response.status_code == 429, response.get_data(as_text=True)
+    assert store.get(store.keys.scope("alpha", "POST /orders", "thread-1")) is None
+    with app.app_context(), pytest.raises(JobRefused):
+        direct("alpha", "o-3")
+    assert store.get(store.keys.scope("alpha", "JOB direct", "o-3")) is None
+
+
+def test_an_earlier_refusal_raised_again_after_a_later_one_is_the_runs_own(
+    store: SQLStore,
+) -> None:
+    app = flask.Flask("first-refusal")
+    idem = Idempotency(app, store=store, tenant=lambda: "alpha")
+
+    @idem.job("twice", key="order", tenant="merchant")
+    def twice(merchant: str, order: str) -> None:
+        try:
+            idem.refuse({"first": True})
+        except JobRefused as first:
+            saved = first
+        with contextlib.suppress(JobRefused):
+            idem.refuse({"second": True})
+        raise saved
+
+    with app.app_context(), pytest.raises(JobRefused):
+        twice("alpha", "o-4")
+    assert store.get(store.keys.scope("alpha", "JOB twice", "o-4")) is None
 
 
 def test_a_replay_that_meets_a_store_failure_answers_503_reported_once(store: SQLStore) -> None:
