@@ -60,6 +60,21 @@ EXPECTED_FUNCTIONS: tuple[ExpectedFunction, ...] = (
         f"idempotency_claim_atomic({_ARGUMENTS})",
         "8cd32c562fb7fc620c0763d9e99d582be5b043d55df377ca339e8851b43ff3b1",
     ),
+    # The request path's writes and the completed-record lookup on kept plans (revision 0014).
+    ExpectedFunction(
+        "idempotency_complete(text,text,text,text,timestamp with time zone,text,integer,jsonb,"
+        "bytea)",
+        "d331aa1306f1aedc67c7aec443f389ce40700bd3de665b385a8716b7ed75c426",
+    ),
+    ExpectedFunction(
+        "idempotency_complete_reserved(text,text,text,bytea,text,timestamp with time zone,"
+        "timestamp with time zone,text,integer,jsonb,bytea)",
+        "d75fb8ce8ccd1e41fd5c06b41c9f244b8425e809932f3c7d3fa0ea45f9b404cb",
+    ),
+    ExpectedFunction(
+        "idempotency_find_completed(text,text,text)",
+        "051d9918ba7395f94ba7349695de5c85eaa969d87682884b0995a8ccc3212d20",
+    ),
     # Checked for every record written (the constraint ck_idempotency_keys_commit_flushed,
     # revision 0013): on Citus its transaction commits flushed, so a shard move keeps it.
     ExpectedFunction(

@@ -152,25 +152,21 @@ def _past_ttl_immutable(row: str, clock: str) -> str:
     return f"({row}expires_at <= {clock} AND {clock} - {_ended(row)} >= {ttl})"
 
 
-# An atomic claim that found the scope's lock held (the holder may only be *replaying*): the
-# live completed record, read without the lock. Safe because a completed record is final
-# while it is live (nothing but an operator's reopen changes it, and a claim only inserts when
-# no live record exists): whatever the holder does, this answer is the one a claim serialised
-# just before it would have had. Live is the claim's own test (migration 0002), at this
-# statement's clock; a record found live here but expired for the holder (whose clock may be
-# later) is still one that was live when this request looked. Anything else (no record, in
-# progress, unknown) stays "busy": 409 or a wait, as before.
-_FIND_COMPLETED = (
-    "SELECT false AS claimed, k.fingerprint, k.state::text AS state,"
-    " k.claim_token::text AS claim_token, k.lease_expires_at, k.response_status,"
-    " k.response_headers, k.response_body, k.created_at, k.completed_at, k.expires_at,"
-    " clock_timestamp() AS db_now"
-    " FROM idempotency_keys AS k"
-    " WHERE k.tenant = %(tenant)s AND k.endpoint = %(endpoint)s AND k.key = %(key)s"
-    " AND k.state = 'completed'"
-    f" AND {_live('k.', 'clock_timestamp()')}"
-    " ORDER BY k.created_at DESC LIMIT 1"
-)
+# The live completed record of a scope, read without the scope's lock (migration 0014: the
+# claim functions' liveness and horizon, at the function's clock, on a kept plan). Read twice
+# by an atomic request:
+# - before its business transaction opens (:meth:`PostgresStore.claim_atomic`), so that a
+#   replay is this one statement, with no BEGIN and no ROLLBACK;
+# - by a claim that found the scope's lock held (the holder may only be *replaying*).
+# Safe because a completed record is final while it is live (nothing but an operator's reopen
+# changes it, and a claim only inserts when no live record exists): whatever a holder of the
+# lock does, this answer is the one a claim serialised just before it would have had. A record
+# found live here but expired for a later claim (whose clock is later) is still one that was
+# live when this request looked. Anything else (no record, in progress, unknown) is left to
+# the reserving claim: a new key, or "busy" (409 or a wait), as before.
+_FIND_COMPLETED = "SELECT * FROM idempotency_find_completed(%(tenant)s, %(endpoint)s, %(key)s)"
+#: libpq's PQTRANS_IDLE (psycopg2 and psycopg 3 ``info.transaction_status``): no transaction.
+_IDLE = 0
 #: Set by the reserving claim, local to its transaction: the token of the record it holds.
 _RESERVED_SETTING = "flask_idem.reserved"
 _CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_reserve(")
@@ -255,6 +251,12 @@ _LOCK_KEYS = sa.text(
 )
 _LOCK = sa.text("SELECT pg_advisory_xact_lock(hashtext('flask_idem'), :h)::text")
 _TRY_LOCK = sa.text("SELECT pg_try_advisory_xact_lock(hashtext('flask_idem'), :h)")
+
+
+def _idle(dbapi_connection: t.Any) -> bool:
+    """Whether the driver's connection is in no transaction (nothing sent since its last one
+    ended), so that its autocommit flag may be switched."""
+    return bool(dbapi_connection.info.transaction_status == _IDLE)
 
 
 class _Busy(Exception):
@@ -513,6 +515,12 @@ class PostgresStore(SQLStore):
                     return self._live_among(connection, scope, forms, completed=True)
                 if found is not None:
                     return found
+            elif _idle(dbapi_connection):
+                # Nothing sent on the business connection yet: a replay needs no transaction.
+                with fast_path.Autocommit(dbapi_connection):
+                    values = self._atomic_row(connection, _FIND_COMPLETED, parameters)
+                if values is not None:
+                    return ClaimResult(build_record(scope, self.sealer, *values[1:]), claimed=False)
             values = self._atomic_row(connection, statement, parameters)
             if values is None:
                 # The scope's lock is held: a duplicate is running, or only replaying a
@@ -562,7 +570,37 @@ class PostgresStore(SQLStore):
         }
         holder = sa.func.current_setting(_RESERVED_SETTING, True) == token
         rows = sa.select(*values.values()).where(holder)
-        return Precompiled(table.insert().from_select(list(values), rows), self.engine.dialect)
+        # Sent as the call of migration 0014's function: the same INSERT, on a kept plan.
+        call = sa.select(
+            sa.func.idempotency_complete_reserved(
+                *(values[name] for name in ("tenant", "endpoint", "key", "fingerprint")),
+                token,
+                values["created_at"],
+                values["expires_at"],
+                *(values[name] for name in ("state", "response_status", "response_headers")),
+                values["response_body"],
+            )
+        )
+        return Precompiled(
+            table.insert().from_select(list(values), rows), self.engine.dialect, sent=call
+        )
+
+    def _complete_call(self) -> sa.Executable:
+        # Migration 0014's function: the same UPDATE, on a plan the server connection keeps.
+        timestamp = table.c.created_at.type
+        return sa.select(
+            sa.func.idempotency_complete(
+                sa.bindparam("p_tenant", type_=table.c.tenant.type),
+                sa.bindparam("p_endpoint", type_=table.c.endpoint.type),
+                sa.bindparam("p_key", type_=table.c.key.type),
+                sa.bindparam("p_token", type_=table.c.claim_token.type),
+                sa.bindparam("p_created_at", type_=timestamp),
+                sa.bindparam("p_state", type_=table.c.state.type),
+                sa.bindparam("p_status", type_=table.c.response_status.type),
+                sa.bindparam("p_headers", type_=table.c.response_headers.type),
+                sa.bindparam("p_body", type_=table.c.response_body.type),
+            )
+        )
 
     def complete_reserved(
         self, connection: sa.Connection, record: Record, response: StoredResponse | None

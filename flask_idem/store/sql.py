@@ -319,7 +319,13 @@ class SQLStore(Store):
                 lease_expires_at=None,
             ),
             self.engine.dialect,
+            sent=self._complete_call(),
         )
+
+    def _complete_call(self) -> sa.Executable | None:
+        """What the server is sent for the completion instead of its ``UPDATE`` (the same
+        parameters, one row per record completed), or None for the ``UPDATE`` itself."""
+        return None
 
     @functools.cached_property
     def _release_statement(self) -> Precompiled:
@@ -817,11 +823,20 @@ class Precompiled:
     disconnect handling are SQLAlchemy's as before, and the server sees the same text.
     """
 
-    def __init__(self, statement: sa.Insert | sa.Update | sa.Delete, dialect: sa.Dialect) -> None:
+    def __init__(
+        self,
+        statement: sa.Insert | sa.Update | sa.Delete,
+        dialect: sa.Dialect,
+        *,
+        sent: sa.Executable | None = None,
+    ) -> None:
         #: The Core statement, for what needs more than the precompiled text (RETURNING, the
         #: audit trail's CTE).
         self.statement = statement
-        compiled = statement.compile(dialect=dialect)
+        # ``sent``: what the server is sent instead, binding the same names (PostgreSQL: a
+        # call of the function holding this statement on a kept plan, one row per row
+        # written, so that the row count reads the same).
+        compiled = (statement if sent is None else sent).compile(dialect=dialect)
         self.sql = str(compiled)
         self._order = tuple(compiled.positiontup or ()) if compiled.positional else None
         self._constants: dict[str, t.Any] = {}

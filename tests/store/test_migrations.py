@@ -17,11 +17,15 @@ from flask_idem.ops.migrate import downgrade, upgrade
 from flask_idem.store import create_engine, create_store, normalize_url
 from flask_idem.store.table import TABLE_NAME, VERSION_TABLE, metadata
 from flask_idem.testing.contract import FP, RESPONSE
+from tests.support.helpers import statements_before_0014
 
 FUNCTIONS = {
     "idempotency_claim",
     "idempotency_claim_atomic",
     "idempotency_claim_reserve",
+    "idempotency_complete",
+    "idempotency_complete_reserved",
+    "idempotency_find_completed",
     "idempotency_commit_flushed",
     "idempotency_create_partitions",
     "idempotency_drop_expired_partitions",
@@ -48,8 +52,24 @@ def _only_our_table(obj: t.Any, name: str | None, type_: str, *_: t.Any) -> bool
     return type_ != "table" or name == TABLE_NAME
 
 
+def _only_our_table_on(dialect: str) -> t.Callable[..., bool]:
+    """:func:`_only_our_table`, and on PostgreSQL without the ``expires_at`` index that
+    table.py describes: there it is DEFAULT's alone (revision 0014), checked on its own."""
+
+    def include(obj: t.Any, name: str | None, type_: str, *rest: t.Any) -> bool:
+        if dialect == "postgresql" and type_ == "index" and name == EXPIRES_INDEX:
+            return False
+        return _only_our_table(obj, name, type_, *rest)
+
+    return include
+
+
+EXPIRES_INDEX = "ix_idempotency_keys_expires_at"
+DEFAULT_EXPIRES_INDEX = "ix_idempotency_keys_default_expires_at"
+
+
 #: The newest revision.
-HEAD = "0013"
+HEAD = "0014"
 
 
 def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None:
@@ -61,8 +81,9 @@ def test_upgrade_matches_schema_and_downgrade_removes_it(empty_url: str) -> None
         assert VERSION_TABLE in inspector.get_table_names()
         assert "alembic_version" not in inspector.get_table_names(), "own version table only"
         with engine.connect() as conn:
+            include = _only_our_table_on(engine.dialect.name)
             context = MigrationContext.configure(
-                conn, opts={"include_object": _only_our_table, "compare_type": True}
+                conn, opts={"include_object": include, "compare_type": True}
             )
             assert compare_metadata(context, metadata) == []
             assert conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).all() == [
@@ -101,39 +122,40 @@ def test_upgrade_from_0008_keeps_records_and_atomic_claims(empty_url: str) -> No
     downgrade puts 0008's claim back."""
     upgrade(empty_url, "0008")
     store = create_store(empty_url)
-    try:
-        before = Scope("tenant", "POST /p", "before-0009")
-        first = store.claim(before, FP, ttl=600, lease=30)
-        assert first.claimed and store.complete(before, first.record.claim_token, RESPONSE)
-        upgrade(empty_url, "0009")
-        with store.engine.connect() as conn:
-            version = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}"))
-            assert version.scalar_one() == "0009"
-        for revision in ("0009", "0008"):
-            connection = store.begin()
-            try:
-                replay = store.claim_atomic(connection, before, FP, ttl=600)
-                assert replay is not None and not replay.claimed
-                assert replay.record.response == RESPONSE
-                new = Scope("tenant", "POST /p", f"new-under-{revision}")
-                claimed = store.claim_atomic(connection, new, FP, ttl=600)
-                assert claimed is not None and claimed.claimed
-                if claimed.reservation is None:  # SQLite: the claim wrote the record
-                    token = claimed.record.claim_token
-                    assert store.complete(new, token, RESPONSE, connection=connection)
-                else:
-                    assert claimed.reservation.complete(RESPONSE)
-                connection.commit()
-            finally:
-                connection.close()
-            assert store.get(new) is not None
-            if store.engine.dialect.name == "postgresql":
-                assert _locks_on_citus(store.engine, "idempotency_claim_reserve") is (
-                    revision == "0009"
-                )
-                downgrade(empty_url, "0008")
-    finally:
-        store.engine.dispose()
+    with statements_before_0014(store):
+        try:
+            before = Scope("tenant", "POST /p", "before-0009")
+            first = store.claim(before, FP, ttl=600, lease=30)
+            assert first.claimed and store.complete(before, first.record.claim_token, RESPONSE)
+            upgrade(empty_url, "0009")
+            with store.engine.connect() as conn:
+                version = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}"))
+                assert version.scalar_one() == "0009"
+            for revision in ("0009", "0008"):
+                connection = store.begin()
+                try:
+                    replay = store.claim_atomic(connection, before, FP, ttl=600)
+                    assert replay is not None and not replay.claimed
+                    assert replay.record.response == RESPONSE
+                    new = Scope("tenant", "POST /p", f"new-under-{revision}")
+                    claimed = store.claim_atomic(connection, new, FP, ttl=600)
+                    assert claimed is not None and claimed.claimed
+                    if claimed.reservation is None:  # SQLite: the claim wrote the record
+                        token = claimed.record.claim_token
+                        assert store.complete(new, token, RESPONSE, connection=connection)
+                    else:
+                        assert claimed.reservation.complete(RESPONSE)
+                    connection.commit()
+                finally:
+                    connection.close()
+                assert store.get(new) is not None
+                if store.engine.dialect.name == "postgresql":
+                    assert _locks_on_citus(store.engine, "idempotency_claim_reserve") is (
+                        revision == "0009"
+                    )
+                    downgrade(empty_url, "0008")
+        finally:
+            store.engine.dispose()
 
 
 def test_upgrade_from_0009_keeps_records_and_durable_claims(empty_url: str) -> None:
@@ -145,7 +167,9 @@ def test_upgrade_from_0009_keeps_records_and_durable_claims(empty_url: str) -> N
     try:
         before = Scope("tenant", "POST /p", "before-0010")
         first = store.claim(before, FP, ttl=600, lease=30)
-        assert first.claimed and store.complete(before, first.record.claim_token, RESPONSE)
+        assert first.claimed
+        with statements_before_0014(store):
+            assert store.complete(before, first.record.claim_token, RESPONSE)
         upgrade(empty_url, "0010")
         for revision in ("0010", "0009"):
             replay = store.claim(before, FP, ttl=600, lease=30)
@@ -173,7 +197,9 @@ def test_upgrade_from_0007_drops_the_key_index_and_finds_keys_by_primary_key(
         scopes = [Scope("tenant", endpoint, "before-0012") for endpoint in ("POST /a", "POST /b")]
         for scope in scopes:
             first = store.claim(scope, FP, ttl=600, lease=30)
-            assert first.claimed and store.complete(scope, first.record.claim_token, RESPONSE)
+            assert first.claimed
+            with statements_before_0014(store):
+                assert store.complete(scope, first.record.claim_token, RESPONSE)
         for revision, indexed in ((HEAD, False), ("0011", True)):
             if revision == HEAD:
                 upgrade(empty_url)
@@ -236,7 +262,9 @@ def test_upgrade_from_0012_makes_record_writes_commit_flushed_on_citus_only(
     try:
         before = Scope("tenant", "POST /p", "before-0013")
         first = store.claim(before, FP, ttl=600, lease=30)
-        assert first.claimed and store.complete(before, first.token, RESPONSE)
+        assert first.claimed
+        with statements_before_0014(store):
+            assert store.complete(before, first.token, RESPONSE)
         upgrade(url)
         with store.engine.begin() as conn:
             partitions = _partitions(conn)
@@ -389,3 +417,80 @@ def test_without_any_database_the_error_says_what_to_pass() -> None:
         upgrade()
     with Flask("bare").app_context(), pytest.raises(SystemExit, match="pass url="):
         downgrade()
+
+
+def _expires_indexes(conn: sa.Connection) -> dict[str, str]:
+    """Each table of idempotency_keys (the table, a partition) with an index on expires_at."""
+    rows = conn.execute(
+        sa.text(
+            "SELECT tablename, indexname FROM pg_indexes "
+            "WHERE tablename LIKE 'idempotency_keys%' AND indexdef LIKE '%(expires_at)'"
+        )
+    )
+    return {table: index for table, index in rows}
+
+
+def test_upgrade_from_0007_moves_the_request_path_to_kept_plans(
+    fresh_pg_database: t.Callable[[], str],
+) -> None:
+    """Revision 0014, from 0007 with records in it: a record completed under 0007 still
+    replays (durable and atomic: the atomic one in one statement), one still in progress is
+    still completed by the claim that holds it, through idempotency_complete(); a new atomic
+    key is completed through idempotency_complete_reserved(); only DEFAULT keeps an index on
+    expires_at, and a partition made after the upgrade has none; the downgrade puts the index
+    back on every partition and removes the functions."""
+    url = fresh_pg_database()
+    upgrade(url, "0007")
+    store = create_store(url)
+    engine = store.engine
+    try:
+        done = Scope("tenant", "POST /p", "completed-under-0007")
+        running = Scope("tenant", "POST /p", "running-under-0007")
+        with statements_before_0014(store):
+            first = store.claim(done, FP, ttl=600, lease=30)
+            assert first.claimed and store.complete(done, first.token, RESPONSE)
+        held = store.claim(running, FP, ttl=600, lease=30)
+        assert held.claimed
+        upgrade(url)
+        with engine.connect() as conn:
+            indexes = _expires_indexes(conn)
+        assert indexes == {f"{TABLE_NAME}_default": "ix_idempotency_keys_default_expires_at"}
+        assert _functions(engine) == FUNCTIONS
+        replay = store.claim(done, FP, ttl=600, lease=30)
+        assert not replay.claimed and replay.record.response == RESPONSE
+        connection = store.begin()
+        try:
+            atomic = store.claim_atomic(connection, done, FP, ttl=600)
+            assert atomic is not None and not atomic.claimed
+            assert atomic.record.response == RESPONSE
+            assert not connection.connection.dbapi_connection.info.transaction_status, (
+                "an atomic replay opens no transaction"
+            )
+            new = Scope("tenant", "POST /p", "atomic-after-0014")
+            claimed = store.claim_atomic(connection, new, FP, ttl=600)
+            assert claimed is not None and claimed.reservation is not None
+            assert claimed.reservation.complete(RESPONSE)
+            connection.commit()
+        finally:
+            connection.close()
+        assert store.claim(new, FP, ttl=600, lease=30).record.response == RESPONSE
+        assert store.complete(running, held.token, RESPONSE)
+        assert not store.complete(running, held.token, RESPONSE), "completed once"
+        assert store.claim(running, FP, ttl=600, lease=30).record.response == RESPONSE
+        with engine.begin() as conn:
+            last = _partitions(conn)[-2]  # the newest day's (DEFAULT sorts last)
+            conn.exec_driver_sql(f"DROP TABLE {last}")
+        assert store.maintain(ahead=7).created == (last,)
+        with engine.connect() as conn:
+            assert last not in _expires_indexes(conn)
+        downgrade(url, "0013")
+        with engine.connect() as conn:
+            indexes = _expires_indexes(conn)
+            assert set(indexes) == {TABLE_NAME, *_partitions(conn)}
+        assert not _functions(engine) & {
+            "idempotency_complete",
+            "idempotency_complete_reserved",
+            "idempotency_find_completed",
+        }
+    finally:
+        engine.dispose()

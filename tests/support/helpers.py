@@ -110,3 +110,43 @@ class Counter:
         with self.lock:
             self.calls += 1
             return self.calls
+
+
+#: The lookup of a scope's live completed record as releases before revision 0014 sent it.
+_FIND_COMPLETED_AS_TEXT = (
+    "SELECT false AS claimed, k.fingerprint, k.state::text AS state,"
+    " k.claim_token::text AS claim_token, k.lease_expires_at, k.response_status,"
+    " k.response_headers, k.response_body, k.created_at, k.completed_at, k.expires_at,"
+    " clock_timestamp() AS db_now FROM idempotency_keys AS k"
+    " WHERE k.tenant = %(tenant)s AND k.endpoint = %(endpoint)s AND k.key = %(key)s"
+    " AND k.state = 'completed' AND (k.expires_at > clock_timestamp()"
+    " OR coalesce(k.completed_at, k.lease_expires_at, k.created_at)"
+    " + (k.expires_at - k.created_at) > clock_timestamp())"
+    " ORDER BY k.created_at DESC LIMIT 1"
+)
+
+
+@contextlib.contextmanager
+def statements_before_0014(store: SQLStore) -> t.Iterator[None]:
+    """The PostgreSQL store sends, for the block, the statements of releases before revision
+    0014 instead of calling its functions: to write and read records under an earlier
+    revision's schema, which has none of them."""
+    from flask_idem.store import postgresql
+    from flask_idem.store.sql import Precompiled
+
+    if store.engine.dialect.name != "postgresql":
+        yield
+        return
+    names = ("_complete_statement", "_insert_completed_statement")
+    as_text = {
+        name: Precompiled(getattr(store, name).statement, store.engine.dialect) for name in names
+    }
+    find = postgresql._FIND_COMPLETED
+    store.__dict__.update(as_text)
+    postgresql._FIND_COMPLETED = _FIND_COMPLETED_AS_TEXT
+    try:
+        yield
+    finally:
+        postgresql._FIND_COMPLETED = find
+        for name in names:
+            store.__dict__.pop(name, None)
