@@ -920,8 +920,13 @@ class StatementResult(t.NamedTuple):
 
     @classmethod
     def of(cls, result: sa.CursorResult[t.Any]) -> StatementResult:
-        rows = list(result.all()) if result.returns_rows else []
-        return cls(rows, result.rowcount)
+        if not result.returns_rows:
+            return cls([], result.rowcount)
+        # A write with RETURNING, or a function call returning one row per row written
+        # (``Precompiled``'s ``sent``): the rows are the count, whatever the driver says of
+        # a result read to its end.
+        rows = list(result.all())
+        return cls(rows, len(rows))
 
     @property
     def first(self) -> sa.Row[t.Any] | None:

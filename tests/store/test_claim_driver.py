@@ -500,16 +500,17 @@ def test_a_view_that_ends_its_own_transaction_still_completes(
 def test_an_interrupted_completion_commits_nothing_and_leaves_the_pool(
     pg_url: str, scope: Scope
 ) -> None:
-    """gunicorn's SystemExit on a worker timeout right after the completion UPDATE was sent
-    (on the driver's cursor, in the business transaction): the connection is discarded, never
-    committed or pooled again, and the record stays in progress (its lease then ends it)."""
+    """gunicorn's SystemExit on a worker timeout right after the completion (the call of its
+    function) was sent (on the driver's cursor, in the business transaction): the connection is
+    discarded, never committed or pooled again, and the record stays in progress (its lease
+    then ends it)."""
 
     class Interrupting(cursor_class(pg_url)):  # type: ignore[misc]
         armed = True
 
         def execute(self, query: str, *args: t.Any, **kwargs: t.Any) -> t.Any:
             result = super().execute(query, *args, **kwargs)
-            if Interrupting.armed and query.startswith("UPDATE idempotency_keys"):
+            if Interrupting.armed and query.startswith("SELECT idempotency_complete("):
                 Interrupting.armed = False
                 raise SystemExit(1)
             return result

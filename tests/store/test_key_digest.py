@@ -18,6 +18,7 @@ from flask_idem.ops.migrate import downgrade, upgrade
 from flask_idem.store import SQLStore
 from flask_idem.testing.contract import FP, OTHER_FP, RESPONSE
 from tests.support import pgcluster
+from tests.support.helpers import statements_before_0014
 
 OLD = base64.b64encode(b"o" * 32).decode()
 NEW = base64.b64encode(b"n" * 32).decode()
@@ -222,7 +223,8 @@ def test_upgrade_from_0010_digests_live_rows_and_their_retries_still_replay(
         # Completed by 0010's code: the row's key is the raw key (a scope carrying it as its
         # digest is how the store writes it as it is).
         as_0010 = Scope(done.tenant, done.endpoint, done.key, digest=done.key)
-        assert store.complete(as_0010, token, RESPONSE)
+        with statements_before_0014(store):
+            assert store.complete(as_0010, token, RESPONSE)
         running_token = _claim_as_0010(store, running)
         # It may run again after the upgrade: with other downstream keys, so it is refused.
         with pytest.raises(RuntimeError, match="1 live records are in progress"):
@@ -289,9 +291,10 @@ def test_the_upgrade_digests_keys_as_python_does_on_a_latin1_database(pg_server_
         store = create_store(url)
         done = Scope("Zürich", "POST /p", "k-ü")
         token = _claim_as_0010(store, done)
-        assert store.complete(
-            Scope(done.tenant, done.endpoint, done.key, digest=done.key), token, RESPONSE
-        )
+        with statements_before_0014(store):
+            assert store.complete(
+                Scope(done.tenant, done.endpoint, done.key, digest=done.key), token, RESPONSE
+            )
         upgrade(url, "0011")
         replay = store.claim(done, FP, ttl=600, lease=30)
         assert not replay.claimed, "the request made before the upgrade would run again"
