@@ -3,6 +3,7 @@ only SQL stores promise: the database clock, failures as ``StoreUnavailable``, r
 
 from __future__ import annotations
 
+import contextlib
 import io
 import typing as t
 
@@ -12,7 +13,7 @@ import psycopg2.extras
 import pytest
 import sqlalchemy as sa
 
-from flask_idem import Scope, State, StoredResponse, StoreUnavailable, create_store
+from flask_idem import ClaimResult, Scope, State, StoredResponse, StoreUnavailable, create_store
 from flask_idem.core.sealing import Sealer
 from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing import age_record
@@ -140,13 +141,73 @@ def test_the_claim_the_lookup_and_the_purge_agree_at_the_end_of_the_ttl(
     again = store.claim(scope, FP, ttl=3600, lease=30)
     assert not again.claimed and again.record.response == RESPONSE, "the claim"
 
+    if store.dialect == "postgresql":
+        replay = _atomic_claim(store, scope)
+        assert replay is not None and not replay.claimed, "the lookup before a transaction"
+        assert replay.record.response == RESPONSE
+
     age_record(store, scope, 10, "completed_at")  # its TTL ended 5 seconds ago
     assert store.get(scope) is None, "the lookup"
     assert store.find(scope.tenant, scope.key) == []
+    if store.dialect == "postgresql":
+        reserved = _atomic_claim(store, scope)
+        assert reserved is not None and reserved.claimed, "the lookup before a transaction"
     fresh = store.claim(scope, OTHER_FP, ttl=3600, lease=30)
     assert fresh.claimed, "the claim"
     assert store.maintain(ahead=7).purged == 1, "the purge"
     assert _rows_of(store, scope) == 1 and store.get(scope) is not None, "the fresh one stays"
+
+
+def _atomic_claim(store: SQLStore, scope: Scope, *, busy: bool = False) -> ClaimResult | None:
+    """An atomic claim of ``scope`` in a transaction rolled back after it. The store looks for
+    a completed record before the transaction opens, and claims when it finds none: asserted
+    here, no transaction is open after a replay. ``busy``: the transaction has sent a statement
+    already (no lookup before it), and another holds the scope's lock (the claim reads the
+    completed record without it)."""
+    lock = (
+        "SELECT pg_advisory_xact_lock(hashtext('flask_idem'),"
+        " hashtext(:tenant || E'\\x1f' || :endpoint || E'\\x1f' || :key))"
+    )
+    stored = {
+        "tenant": scope.tenant,
+        "endpoint": scope.endpoint,
+        "key": store.keys.stored(scope.tenant, scope.key),
+    }
+    with contextlib.ExitStack() as stack:
+        if busy:
+            holder = stack.enter_context(store.engine.begin())
+            holder.execute(sa.text(lock), stored)
+        connection = stack.enter_context(store.engine.connect())
+        connection.begin()
+        if busy:
+            connection.exec_driver_sql("SELECT 1")
+        result = store.claim_atomic(connection, scope, FP, ttl=3600)
+        status = connection.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr]
+        if result is not None and not result.claimed and not busy:
+            assert status == 0, "a replay opened a transaction"
+        connection.rollback()
+        return result
+
+
+@pytest.mark.parametrize(
+    "seconds",
+    [0, 86400, 40 * 86400, -3600],
+    ids=["today", "yesterday", "default-partition", "an-hour-ahead"],
+)
+def test_an_atomic_replay_finds_its_record_in_every_partition(
+    pg_store: SQLStore, scope: Scope, seconds: int
+) -> None:
+    """The lookup of a completed record (before an atomic request's transaction, and by a
+    claim that found the scope's lock held: migration 0014's function) finds it in any
+    partition that can hold a live one: today's, yesterday's, DEFAULT (a day with no
+    partition), and one dated after the database's clock (a clock stepped back)."""
+    token = pg_store.claim(scope, FP, ttl=60 * 86400, lease=30).token
+    assert pg_store.complete(scope, token, RESPONSE)
+    age_record(pg_store, scope, seconds)
+    for busy in (False, True):
+        found = _atomic_claim(pg_store, scope, busy=busy)
+        assert found is not None and not found.claimed, busy
+        assert found.record.response == RESPONSE
 
 
 def test_missing_schema_raises_store_unavailable(tmp_path: object, scope: Scope) -> None:
