@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import functools
 import logging
 import operator
@@ -165,6 +166,7 @@ def _past_ttl_immutable(row: str, clock: str) -> str:
 # live when this request looked. Anything else (no record, in progress, unknown) is left to
 # the reserving claim: a new key, or "busy" (409 or a wait), as before.
 _FIND_COMPLETED = "SELECT * FROM idempotency_find_completed(%(tenant)s, %(endpoint)s, %(key)s)"
+_CITUS_VERSION = "SELECT current_setting('citus.version', true)"
 #: libpq's PQTRANS_IDLE (psycopg2 and psycopg 3 ``info.transaction_status``): no transaction.
 _IDLE = 0
 #: Set by the reserving claim, local to its transaction: the token of the record it holds.
@@ -570,6 +572,9 @@ class PostgresStore(SQLStore):
         }
         holder = sa.func.current_setting(_RESERVED_SETTING, True) == token
         rows = sa.select(*values.values()).where(holder)
+        insert = table.insert().from_select(list(values), rows)
+        if self._on_citus:
+            return Precompiled(insert, self.engine.dialect)
         # Sent as the call of migration 0014's function: the same INSERT, on a kept plan.
         call = sa.select(
             sa.func.idempotency_complete_reserved(
@@ -581,12 +586,51 @@ class PostgresStore(SQLStore):
                 values["response_body"],
             )
         )
-        return Precompiled(
-            table.insert().from_select(list(values), rows), self.engine.dialect, sent=call
+        return Precompiled(insert, self.engine.dialect, sent=call)
+
+    @property
+    def _on_citus(self) -> bool:
+        """Whether Citus is loaded (:meth:`_learn_citus` read it): there the writes go as
+        statements, not as calls of migration 0014's functions. Citus commits a write made
+        inside a function with the business transaction's other writes in one phase (no
+        two-phase commit when the business row is in a local table of the coordinator), where
+        the same write sent as a statement commits in two."""
+        assert self._citus is not None, "read at the first completion"
+        return self._citus
+
+    _citus: bool | None = None
+
+    def _learn_citus(self, connection: sa.Connection | None) -> None:
+        """Read once per store, at its first completion, on the completion's own connection
+        (a second connection taken while a request holds one could wait for the pool)."""
+        if self._citus is not None:
+            return
+        with translate_errors():
+            if connection is not None:
+                found = connection.exec_driver_sql(_CITUS_VERSION).scalar()
+            else:
+                with self.connect() as conn:
+                    found = conn.exec_driver_sql(_CITUS_VERSION).scalar()
+        self._citus = found is not None
+
+    def complete(
+        self,
+        scope: Scope,
+        token: str,
+        response: StoredResponse | None,
+        *,
+        connection: sa.Connection | None = None,
+        created_at: dt.datetime | None = None,
+    ) -> bool:
+        self._learn_citus(connection)
+        return super().complete(
+            scope, token, response, connection=connection, created_at=created_at
         )
 
-    def _complete_call(self) -> sa.Executable:
+    def _complete_call(self) -> sa.Select[t.Any] | None:
         # Migration 0014's function: the same UPDATE, on a plan the server connection keeps.
+        if self._on_citus:
+            return None
         timestamp = table.c.created_at.type
         return sa.select(
             sa.func.idempotency_complete(
@@ -608,6 +652,7 @@ class PostgresStore(SQLStore):
         """Insert the record :meth:`claim_atomic` reserved, completed with ``response``, into
         ``connection``'s transaction, if it is still the one that reserved it (see
         :class:`~flask_idem.core.record.Reservation`)."""
+        self._learn_citus(connection)
         scope = record.scope
         parameters = {
             "p_tenant": scope.tenant,

@@ -322,7 +322,7 @@ class SQLStore(Store):
             sent=self._complete_call(),
         )
 
-    def _complete_call(self) -> sa.Executable | None:
+    def _complete_call(self) -> sa.Select[t.Any] | None:
         """What the server is sent for the completion instead of its ``UPDATE`` (the same
         parameters, one row per record completed), or None for the ``UPDATE`` itself."""
         return None
@@ -828,7 +828,7 @@ class Precompiled:
         statement: sa.Insert | sa.Update | sa.Delete,
         dialect: sa.Dialect,
         *,
-        sent: sa.Executable | None = None,
+        sent: sa.Select[t.Any] | None = None,
     ) -> None:
         #: The Core statement, for what needs more than the precompiled text (RETURNING, the
         #: audit trail's CTE).
