@@ -128,6 +128,7 @@ def prepare_engine(engine: sa.Engine) -> sa.Engine:
         pooler.connect_without_refused_options(engine)
         if not sa.event.contains(engine, "connect", engines.quiet_server_log):
             sa.event.listen(engine, "connect", engines.quiet_server_log)
+            sa.event.listen(engine, "connect", engines.remember_citus)
             sa.event.listen(engine, "connect", engines.end_of_setup)  # after the setup's
     engines.make_fork_safe(engine)
     return engine

@@ -473,3 +473,25 @@ def quiet_server_log(dbapi_connection: t.Any, record: t.Any) -> None:
     finally:
         if not dbapi_connection.closed:
             dbapi_connection.autocommit = autocommit
+
+
+# -- Citus ------------------------------------------------------------------------------------
+
+#: ``ConnectionRecord.info`` key: whether Citus is loaded on the connection's server.
+CITUS_LOADED = "flask_idem.citus"
+CITUS_VERSION = "SELECT current_setting('citus.version', true)"
+
+
+def remember_citus(dbapi_connection: t.Any, record: t.Any) -> None:
+    """``connect`` event: whether Citus is loaded, kept with the pooled connection
+    (:data:`CITUS_LOADED`), where the store reads it (its completions are statements there,
+    calls of functions elsewhere): one round trip per new connection, none per request."""
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True
+    try:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(CITUS_VERSION)
+            record.info[CITUS_LOADED] = cursor.fetchone()[0] is not None
+    finally:
+        if not dbapi_connection.closed:
+            dbapi_connection.autocommit = autocommit

@@ -166,7 +166,6 @@ def _past_ttl_immutable(row: str, clock: str) -> str:
 # live when this request looked. Anything else (no record, in progress, unknown) is left to
 # the reserving claim: a new key, or "busy" (409 or a wait), as before.
 _FIND_COMPLETED = "SELECT * FROM idempotency_find_completed(%(tenant)s, %(endpoint)s, %(key)s)"
-_CITUS_VERSION = "SELECT current_setting('citus.version', true)"
 #: libpq's PQTRANS_IDLE (psycopg2 and psycopg 3 ``info.transaction_status``): no transaction.
 _IDLE = 0
 #: Set by the reserving claim, local to its transaction: the token of the record it holds.
@@ -601,17 +600,19 @@ class PostgresStore(SQLStore):
     _citus: bool | None = None
 
     def _learn_citus(self, connection: sa.Connection | None) -> None:
-        """Read once per store, at its first completion, on the completion's own connection
-        (a second connection taken while a request holds one could wait for the pool)."""
+        """Once per store, at its first completion: what its connection learnt when it was
+        opened (:func:`.engines.remember_citus`), else read on it. The completion's own
+        connection when it has one: a second one taken while a request holds one could wait
+        for the pool."""
         if self._citus is not None:
             return
-        with translate_errors():
-            if connection is not None:
-                found = connection.exec_driver_sql(_CITUS_VERSION).scalar()
-            else:
-                with self.connect() as conn:
-                    found = conn.exec_driver_sql(_CITUS_VERSION).scalar()
-        self._citus = found is not None
+        with translate_errors(), contextlib.ExitStack() as stack:
+            if connection is None:
+                connection = stack.enter_context(self.connect())
+            known = connection.connection.info.get(engines.CITUS_LOADED)
+            if known is None:
+                known = connection.exec_driver_sql(engines.CITUS_VERSION).scalar() is not None
+        self._citus = bool(known)
 
     def complete(
         self,
