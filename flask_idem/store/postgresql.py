@@ -594,8 +594,9 @@ class PostgresStore(SQLStore):
         inside a function with the business transaction's other writes in one phase (no
         two-phase commit when the business row is in a local table of the coordinator), where
         the same write sent as a statement commits in two."""
-        assert self._citus is not None, "read at the first completion"
-        return self._citus
+        if self._citus is None:
+            self._learn_citus(None)
+        return bool(self._citus)
 
     _citus: bool | None = None
 
