@@ -38,8 +38,16 @@ Round trips
     record, so a replay costs one statement in all), ``complete``, ``release``, ``renew`` and
     ``mark_unknown`` are each one statement with no ``BEGIN``/``COMMIT`` of their own.
     ``complete`` can instead join the caller's business transaction (no extra commit). Writes
-    after the claim pass the record's ``created_at``, so PostgreSQL plans them against one
-    partition instead of all of them.
+    after the claim pass the record's ``created_at``, so that only its partition is searched.
+    An atomic claim first looks for a completed record before its business transaction opens
+    (``_FIND_COMPLETED``): a replay is that one statement, with no transaction.
+
+Kept plans
+    The completion, the atomic record's insert and the lookup of a completed record are calls
+    of PL/pgSQL functions (migration 0014), whose plans each server connection keeps (behind
+    PgBouncer in transaction pooling too): sent as text, they were parsed and planned for
+    every request, and the completion's planning cost twice its execution. On Citus the
+    completions stay statements (see :attr:`PostgresStore._on_citus`).
 
 Citus
     ``flask idem citus`` distributes the table by ``tenant`` and this function by ``p_tenant``.

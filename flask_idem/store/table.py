@@ -112,6 +112,9 @@ idempotency_keys = sa.Table(
     sa.CheckConstraint(
         "state IN ('in_progress', 'completed', 'unknown', 'unstored', 'reopened')", name="state"
     ),
+    # SQLite's: the purge deletes expired rows one by one. On PostgreSQL only DEFAULT has one
+    # (``ix_idempotency_keys_default_expires_at``, revision 0014): a day's partition is dropped
+    # whole, and only DEFAULT's rows are purged one by one.
     sa.Index(None, "expires_at"),
     postgresql_partition_by="RANGE (created_at)",
 )
