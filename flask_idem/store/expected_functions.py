@@ -73,7 +73,7 @@ EXPECTED_FUNCTIONS: tuple[ExpectedFunction, ...] = (
     ),
     ExpectedFunction(
         "idempotency_find_completed(text,text,text)",
-        "051d9918ba7395f94ba7349695de5c85eaa969d87682884b0995a8ccc3212d20",
+        "4d38dd9cbd8b237c6c6441fceae99f299842fc4b40ff0a536808a986f74915f5",
     ),
     # Checked for every record written (the constraint ck_idempotency_keys_commit_flushed,
     # revision 0013): on Citus its transaction commits flushed, so a shard move keeps it.

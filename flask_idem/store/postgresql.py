@@ -524,10 +524,8 @@ class PostgresStore(SQLStore):
                     return self._live_among(connection, scope, forms, completed=True)
                 if found is not None:
                     return found
-            elif _idle(dbapi_connection):
-                # Nothing sent on the business connection yet: a replay needs no transaction.
-                with fast_path.Autocommit(dbapi_connection):
-                    values = self._atomic_row(connection, _FIND_COMPLETED, parameters)
+            else:
+                values = self._completed_before_begin(connection, parameters)
                 if values is not None:
                     return ClaimResult(build_record(scope, self.sealer, *values[1:]), claimed=False)
             values = self._atomic_row(connection, statement, parameters)
@@ -543,6 +541,27 @@ class PostgresStore(SQLStore):
             return ClaimResult(record, claimed=False)
         reservation = _Reservation(self, connection, record)
         return ClaimResult(record, claimed=True, reservation=reservation)
+
+    def _completed_before_begin(
+        self, connection: sa.Connection, parameters: dict[str, t.Any]
+    ) -> tuple[t.Any, ...] | None:
+        """The live completed record (:data:`_FIND_COMPLETED`), read before the business
+        transaction opens, with the driver in autocommit: a replay needs no transaction. None
+        when there is none, and when the business connection is in a transaction already (a
+        hook used it; psycopg2 also refuses the switch after a ``COMMIT`` sent as SQL, which
+        it does not see): the claim in the transaction then answers as before."""
+        dbapi_connection = connection.connection.dbapi_connection
+        if not _idle(dbapi_connection):
+            return None
+        switch = fast_path.Autocommit(dbapi_connection)
+        try:
+            switch.__enter__()
+        except self.engine.dialect.loaded_dbapi.Error:
+            return None
+        try:
+            return self._atomic_row(connection, _FIND_COMPLETED, parameters)
+        finally:
+            switch.__exit__()
 
     def _atomic_row(
         self, connection: sa.Connection, statement: str, parameters: dict[str, t.Any]

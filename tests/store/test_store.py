@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
+import time
 import typing as t
 
 import psycopg2
@@ -19,7 +21,7 @@ from flask_idem.store import SQLStore, create_engine, normalize_url
 from flask_idem.testing import age_record
 from flask_idem.testing.contract import FP, OTHER_FP, RESPONSE, StoreContract
 from tests.support.drivers import db_url_on_each_driver  # noqa: F401 (the store contract on both drivers)
-from tests.support.helpers import count_statements
+from tests.support.helpers import count_statements, store_on
 
 
 @pytest.mark.usefixtures("sqlalchemy_path")
@@ -208,6 +210,51 @@ def test_an_atomic_replay_finds_its_record_in_every_partition(
         found = _atomic_claim(pg_store, scope, busy=busy)
         assert found is not None and not found.claimed, busy
         assert found.record.response == RESPONSE
+
+
+def test_an_atomic_claim_after_a_commit_sent_as_sql_still_claims(pg_url: str, scope: Scope) -> None:
+    """A hook that ended the business connection's transaction with a ``COMMIT`` sent as SQL
+    leaves the server idle and psycopg2 believing a transaction is open: psycopg2 refuses to
+    switch to autocommit. The lookup before the transaction is then skipped (never a driver
+    error escaping as a 500) and the claim answers as it always did."""
+    with store_on(pg_url) as store:
+        connection = store.begin()
+        try:
+            connection.exec_driver_sql("SELECT 1")
+            connection.exec_driver_sql("COMMIT")
+            found = store.claim_atomic(connection, scope, FP, ttl=60)
+            assert found is not None
+        finally:
+            connection.rollback()
+            connection.close()
+
+
+def test_the_lookup_before_the_transaction_gives_up_on_a_locked_table(
+    pg_url: str, scope: Scope
+) -> None:
+    """The lookup of a completed record runs before the claim, which bounded its own wait
+    (4 s) where the session has no timeouts (an application's engine, a pooler): it bounds
+    its own too, so a table locked by DDL answers 503, never a wait without end."""
+    store = create_store(sa.create_engine(normalize_url(pg_url)))  # no session timeouts
+    try:
+        with store.engine.connect() as locker:
+            locker.exec_driver_sql("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+            # Released after 10 s whatever happens: an unbounded wait then claims, and fails.
+            release = threading.Timer(10, locker.rollback)
+            release.start()
+            connection = store.begin()
+            started = time.monotonic()
+            try:
+                with pytest.raises(StoreUnavailable):
+                    store.claim_atomic(connection, scope, FP, ttl=60)
+                assert time.monotonic() - started < 8
+            finally:
+                connection.rollback()
+                connection.close()
+                release.cancel()
+                locker.rollback()
+    finally:
+        store.engine.dispose()
 
 
 def test_missing_schema_raises_store_unavailable(tmp_path: object, scope: Scope) -> None:
