@@ -39,8 +39,9 @@ Round trips
     ``mark_unknown`` are each one statement with no ``BEGIN``/``COMMIT`` of their own.
     ``complete`` can instead join the caller's business transaction (no extra commit). Writes
     after the claim pass the record's ``created_at``, so that only its partition is searched.
-    An atomic claim first looks for a completed record before its business transaction opens
-    (``_FIND_COMPLETED``): a replay is that one statement, with no transaction.
+    An atomic claim of a key this process has met completed first looks for its record before
+    the business transaction opens (``_FIND_COMPLETED``, :class:`_RecentlyCompleted`): such a
+    replay is that one statement, with no transaction.
 
 Kept plans
     The completion, the atomic record's insert and the lookup of a completed record are calls
@@ -164,8 +165,9 @@ def _past_ttl_immutable(row: str, clock: str) -> str:
 # The live completed record of a scope, read without the scope's lock (migration 0014: the
 # claim functions' liveness and horizon, at the function's clock, on a kept plan). Read twice
 # by an atomic request:
-# - before its business transaction opens (:meth:`PostgresStore.claim_atomic`), so that a
-#   replay is this one statement, with no BEGIN and no ROLLBACK;
+# - before its business transaction opens, for a key this process has met completed
+#   (:class:`_RecentlyCompleted`), so that such a replay is this one statement, with no BEGIN
+#   and no ROLLBACK;
 # - by a claim that found the scope's lock held (the holder may only be *replaying*).
 # Safe because a completed record is final while it is live (nothing but an operator's reopen
 # changes it, and a claim only inserts when no live record exists): whatever a holder of the
@@ -260,6 +262,47 @@ _LOCK_KEYS = sa.text(
 )
 _LOCK = sa.text("SELECT pg_advisory_xact_lock(hashtext('flask_idem'), :h)::text")
 _TRY_LOCK = sa.text("SELECT pg_try_advisory_xact_lock(hashtext('flask_idem'), :h)")
+
+
+#: Scopes an atomic claim remembers having met completed (per store, in each process).
+RECENTLY_COMPLETED = 4096
+
+
+def _hint(scope: Scope) -> tuple[str, str, str | None]:
+    return (scope.tenant, scope.endpoint, scope.digest)
+
+
+class _RecentlyCompleted:
+    """The scopes whose completed record this process met lately (completed it, or answered a
+    replay of it), oldest forgotten first: where an atomic claim looks for a completed record
+    before its business transaction opens.
+
+    Looking first for every key would cost each new key a round trip (measured: a new atomic
+    key's requests per second fell by a fifth, docs/performance.md) to save two for a replay,
+    and new keys are most requests. A scope remembered here is likely a retry; one that is
+    not still gets its answer (the claim in the transaction replays it), and is remembered
+    from then on. Only a hint: either path answers the same (the proof is at
+    :data:`_FIND_COMPLETED`), so a race between threads here can only cost a round trip.
+    """
+
+    __slots__ = ("_scopes", "_size")
+
+    def __init__(self, size: int) -> None:
+        self._scopes: dict[tuple[str, str, str | None], None] = {}
+        self._size = size
+
+    def __contains__(self, scope: object) -> bool:
+        return scope in self._scopes
+
+    def add(self, scope: tuple[str, str, str | None]) -> None:
+        self._scopes[scope] = None
+        if len(self._scopes) > self._size:
+            # Another thread may be changing the dict: then it stays one over, for now.
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                del self._scopes[next(iter(self._scopes))]
+
+    def discard(self, scope: tuple[str, str, str | None]) -> None:
+        self._scopes.pop(scope, None)
 
 
 def _idle(dbapi_connection: t.Any) -> bool:
@@ -524,10 +567,11 @@ class PostgresStore(SQLStore):
                     return self._live_among(connection, scope, forms, completed=True)
                 if found is not None:
                     return found
-            else:
+            elif _hint(scope) in self._recently_completed:
                 values = self._completed_before_begin(connection, parameters)
                 if values is not None:
                     return ClaimResult(build_record(scope, self.sealer, *values[1:]), claimed=False)
+                self._recently_completed.discard(_hint(scope))
             values = self._atomic_row(connection, statement, parameters)
             if values is None:
                 # The scope's lock is held: a duplicate is running, or only replaying a
@@ -538,6 +582,8 @@ class PostgresStore(SQLStore):
         claimed, *columns = values
         record = build_record(scope, self.sealer, *columns)
         if not claimed:
+            if record.state is State.COMPLETED:
+                self._recently_completed.add(_hint(scope))
             return ClaimResult(record, claimed=False)
         reservation = _Reservation(self, connection, record)
         return ClaimResult(record, claimed=True, reservation=reservation)
@@ -697,7 +743,15 @@ class PostgresStore(SQLStore):
         result = self._write(
             self._insert_completed_statement, parameters, connection, scope=scope, event=event
         )
-        return result.rowcount == 1
+        if result.rowcount != 1:
+            return False
+        if response is not None:
+            self._recently_completed.add(_hint(scope))  # its retries may come here
+        return True
+
+    @functools.cached_property
+    def _recently_completed(self) -> _RecentlyCompleted:
+        return _RecentlyCompleted(RECENTLY_COMPLETED)
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         # Rows land in DEFAULT only when upkeep fell behind; expire them row by row, in

@@ -83,12 +83,11 @@ def test_one_commit_replay_and_mismatch(
     assert first.status_code == 201
     assert len(commits) == 1, "claim, business row and stored response: one commit"
     if store.dialect == "postgresql":
-        # The lookup of a completed record (before the transaction, migration 0014), the
-        # claim (a reservation, migration 0007), the business INSERT and the record, inserted
-        # completed: nothing else on the wire, and the record is written once.
-        assert len(seen) == 4 and "idempotency_find_completed(" in seen[0], seen
-        assert "idempotency_claim_reserve(" in seen[1], seen
-        assert seen[3].startswith("SELECT idempotency_complete_reserved("), seen
+        # The claim (a reservation, migration 0007), the business INSERT and the record,
+        # inserted completed (migration 0014's function): nothing else on the wire, and the
+        # record is written once.
+        assert len(seen) == 3 and "idempotency_claim_reserve(" in seen[0], seen
+        assert seen[2].startswith("SELECT idempotency_complete_reserved("), seen
         with store.engine.connect() as conn:
             row = conn.execute(
                 sa.text(
@@ -102,7 +101,8 @@ def test_one_commit_replay_and_mismatch(
         replay = post(client, "k", {"n": 1}, path="/write")
     assert replay.headers["Idempotent-Replayed"] == "true"
     if store.dialect == "postgresql":
-        # The lookup alone, on the business connection before any BEGIN: no transaction.
+        # The process completed the key, so a retry here looks for its record first: that
+        # lookup alone, on the business connection before any BEGIN, no transaction.
         assert len(seen) == 1 and "idempotency_find_completed(" in seen[0], seen
     mismatch = client.post("/write", json={"n": 2}, headers={"Idempotency-Key": "k"})
     assert mismatch.status_code == 422

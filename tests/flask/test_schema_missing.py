@@ -65,8 +65,7 @@ def test_a_schema_older_than_the_code_says_how_to_migrate(unmigrated_url: str) -
                 atomic = _missing(lambda: store.claim_atomic(connection, SCOPE, FP, ttl=60))
             finally:
                 connection.close()
-            # Its first statement: the lookup of a completed record (0014), before the claim.
-            assert "idempotency_find_completed" in atomic.reason
+            assert "idempotency_claim_reserve" in atomic.reason
     finally:
         store.engine.dispose()
 

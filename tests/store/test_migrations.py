@@ -434,7 +434,7 @@ def test_upgrade_from_0007_moves_the_request_path_to_kept_plans(
     fresh_pg_database: t.Callable[[], str],
 ) -> None:
     """Revision 0014, from 0007 with records in it: a record completed under 0007 still
-    replays (durable and atomic: the atomic one in one statement), one still in progress is
+    replays (durable and atomic: once remembered, in one statement), one still in progress is
     still completed by the claim that holds it, through idempotency_complete(); a new atomic
     key is completed through idempotency_complete_reserved(); only DEFAULT keeps an index on
     expires_at, and a partition made after the upgrade has none; the downgrade puts the index
@@ -458,14 +458,19 @@ def test_upgrade_from_0007_moves_the_request_path_to_kept_plans(
         assert _functions(engine) == FUNCTIONS
         replay = store.claim(done, FP, ttl=600, lease=30)
         assert not replay.claimed and replay.record.response == RESPONSE
+        for attempt in ("in the transaction", "remembered: before it"):
+            connection = store.begin()
+            try:
+                atomic = store.claim_atomic(connection, done, FP, ttl=600)
+                assert atomic is not None and not atomic.claimed, attempt
+                assert atomic.record.response == RESPONSE
+                status = connection.connection.dbapi_connection.info.transaction_status
+            finally:
+                connection.rollback()
+                connection.close()
+        assert status == 0, "a remembered atomic replay opens no transaction"
         connection = store.begin()
         try:
-            atomic = store.claim_atomic(connection, done, FP, ttl=600)
-            assert atomic is not None and not atomic.claimed
-            assert atomic.record.response == RESPONSE
-            assert not connection.connection.dbapi_connection.info.transaction_status, (
-                "an atomic replay opens no transaction"
-            )
             new = Scope("tenant", "POST /p", "atomic-after-0014")
             claimed = store.claim_atomic(connection, new, FP, ttl=600)
             assert claimed is not None and claimed.reservation is not None
