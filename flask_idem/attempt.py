@@ -985,9 +985,13 @@ class Attempt:
         empty transaction is rolled back), or None when a duplicate holds the scope."""
         assert self.scope is not None
         self.fingerprint = digest
+        store = self.app_state.store
         with OneDeadline():  # the checkout and the claim: one wait for the server
+            completed = store.completed_before_claim(self.scope)
+            if completed is not None:
+                return ClaimResult(completed, claimed=False)  # a replay: no transaction
             connection = self.begin()
-            result = self.app_state.store.claim_atomic(connection, self.scope, digest, ttl=self.ttl)
+            result = store.claim_atomic(connection, self.scope, digest, ttl=self.ttl)
         if result is not None and result.claimed:
             self.token, self.record = result.token, result.record
             self.scope = result.record.scope  # with the digest its record carries

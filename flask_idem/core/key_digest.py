@@ -126,6 +126,14 @@ class KeyDigest:
         mac = hmac.new(entry.secret, _KEY_CONTEXT + _framed(tenant, key), hashlib.sha256)
         return f"{MARK}{entry.id}{MARK}{mac.hexdigest()}"
 
+    def current_of(self, scope: Scope) -> str:
+        """``scope``'s key under the current entry: the digest the scope carries when it was
+        made with that entry (a request's scope, from :meth:`scope`), else computed."""
+        carried = scope.digest
+        if carried is not None and id_of(carried) == self.current.id:
+            return carried
+        return self.stored(scope.tenant, scope.key)
+
     def candidates(self, tenant: str, key: str) -> tuple[str, ...]:
         """Every stored form of ``key`` a live record may carry, current first.
 

@@ -176,8 +176,6 @@ def _past_ttl_immutable(row: str, clock: str) -> str:
 # live when this request looked. Anything else (no record, in progress, unknown) is left to
 # the reserving claim: a new key, or "busy" (409 or a wait), as before.
 _FIND_COMPLETED = "SELECT * FROM idempotency_find_completed(%(tenant)s, %(endpoint)s, %(key)s)"
-#: libpq's PQTRANS_IDLE (psycopg2 and psycopg 3 ``info.transaction_status``): no transaction.
-_IDLE = 0
 #: Set by the reserving claim, local to its transaction: the token of the record it holds.
 _RESERVED_SETTING = "flask_idem.reserved"
 _CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_reserve(")
@@ -305,12 +303,6 @@ class _RecentlyCompleted:
         self._scopes.pop(scope, None)
 
 
-def _idle(dbapi_connection: t.Any) -> bool:
-    """Whether the driver's connection is in no transaction (nothing sent since its last one
-    ended), so that its autocommit flag may be switched."""
-    return bool(dbapi_connection.info.transaction_status == _IDLE)
-
-
 class _Busy(Exception):
     """An atomic claim found one of its key's locks held."""
 
@@ -426,11 +418,10 @@ class PostgresStore(SQLStore):
                         if found is not None:
                             return found
                         values = tuple(conn.exec_driver_sql(statement, parameters).one())
-                elif self._fast():
-                    values = self._claim_row(statement, parameters)
                 else:
-                    with self.connect() as conn:
-                        values = tuple(conn.exec_driver_sql(statement, parameters).one())
+                    values = self._row_alone(statement, parameters)
+                    if values is None:
+                        raise sa.exc.NoResultFound("the claim returned no row")
         except StoreUnavailable as exc:
             if not self.keys.rotating and not isinstance(exc, SchemaMissing):
                 # One autocommitted statement: a server silent past the deadline may still
@@ -443,8 +434,10 @@ class PostgresStore(SQLStore):
     def _claimed(self, scope: Scope, fingerprint: bytes) -> tuple[Scope, bytes]:
         """The scope with its key's current digest, and the fingerprint keyed, as a claim
         writes them."""
-        stored = self.keys.stored(scope.tenant, scope.key)
-        return dataclasses.replace(scope, digest=stored), self.keys.fingerprint(fingerprint)
+        stored = self.keys.current_of(scope)
+        if stored is not scope.digest:
+            scope = dataclasses.replace(scope, digest=stored)
+        return scope, self.keys.fingerprint(fingerprint)
 
     def _previous(self, conn: sa.Connection, scope: Scope, *, wait: bool) -> ClaimResult | None:
         """During a rotation: lock every stored form of the key, then find a live record
@@ -491,12 +484,15 @@ class PostgresStore(SQLStore):
             return None
         return ClaimResult(record_from_row(scope, row, self.sealer), claimed=False)
 
-    def _claim_row(self, statement: str, parameters: dict[str, t.Any]) -> tuple[t.Any, ...]:
-        """The claim's row, through the driver's cursor (:func:`.fast_path.on_cursor`)."""
+    def _row_alone(self, statement: str, parameters: dict[str, t.Any]) -> tuple[t.Any, ...] | None:
+        """The first row of ``statement``, run as its own transaction on a pooled connection:
+        through the driver's cursor (:func:`.fast_path.autocommitted`) on the fast path."""
+        if not self._fast():
+            with self.connect() as conn:
+                row = conn.exec_driver_sql(statement, parameters).first()
+            return None if row is None else tuple(row)
         values = fast_path.autocommitted(self.engine, statement, parameters, _first_row)
-        if values is None:
-            raise sa.exc.NoResultFound("the claim returned no row")
-        return t.cast("tuple[t.Any, ...]", values)
+        return t.cast("tuple[t.Any, ...] | None", values)
 
     def _send(
         self,
@@ -567,11 +563,6 @@ class PostgresStore(SQLStore):
                     return self._live_among(connection, scope, forms, completed=True)
                 if found is not None:
                     return found
-            elif _hint(scope) in self._recently_completed:
-                values = self._completed_before_begin(connection, parameters)
-                if values is not None:
-                    return ClaimResult(build_record(scope, self.sealer, *values[1:]), claimed=False)
-                self._recently_completed.discard(_hint(scope))
             values = self._atomic_row(connection, statement, parameters)
             if values is None:
                 # The scope's lock is held: a duplicate is running, or only replaying a
@@ -588,26 +579,21 @@ class PostgresStore(SQLStore):
         reservation = _Reservation(self, connection, record)
         return ClaimResult(record, claimed=True, reservation=reservation)
 
-    def _completed_before_begin(
-        self, connection: sa.Connection, parameters: dict[str, t.Any]
-    ) -> tuple[t.Any, ...] | None:
-        """The live completed record (:data:`_FIND_COMPLETED`), read before the business
-        transaction opens, with the driver in autocommit: a replay needs no transaction. None
-        when there is none, and when the business connection is in a transaction already (a
-        hook used it; psycopg2 also refuses the switch after a ``COMMIT`` sent as SQL, which
-        it does not see): the claim in the transaction then answers as before."""
-        dbapi_connection = connection.connection.dbapi_connection
-        if not _idle(dbapi_connection):
+    def completed_before_claim(self, scope: Scope) -> Record | None:
+        if self.keys.rotating:
+            return None  # every form is looked up under the claim's locks (_previous)
+        digest = self.keys.current_of(scope)
+        if digest is not scope.digest:
+            scope = dataclasses.replace(scope, digest=digest)
+        if _hint(scope) not in self._recently_completed:
             return None
-        switch = fast_path.Autocommit(dbapi_connection)
-        try:
-            switch.__enter__()
-        except self.engine.dialect.loaded_dbapi.Error:
+        parameters = {"tenant": scope.tenant, "endpoint": scope.endpoint, "key": digest}
+        with translate_errors():
+            values = self._row_alone(_FIND_COMPLETED, parameters)
+        if values is None:
+            self._recently_completed.discard(_hint(scope))
             return None
-        try:
-            return self._atomic_row(connection, _FIND_COMPLETED, parameters)
-        finally:
-            switch.__exit__()
+        return build_record(scope, self.sealer, *values[1:])
 
     def _atomic_row(
         self, connection: sa.Connection, statement: str, parameters: dict[str, t.Any]

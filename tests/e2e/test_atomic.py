@@ -97,13 +97,23 @@ def test_one_commit_replay_and_mismatch(
             ).one()
         assert row[:4] == ("completed", 201, True, True)
         assert row[4] == dt.timedelta(seconds=app.extensions["idempotency"].settings.ttl)
-    with count_statements(store.engine) as seen:
-        replay = post(client, "k", {"n": 1}, path="/write")
+    in_autocommit: list[bool] = []
+
+    def sent(connection: sa.Connection, *_: object) -> None:
+        in_autocommit.append(bool(getattr(connection.connection.dbapi_connection, "autocommit", 0)))
+
+    sa.event.listen(store.engine, "before_cursor_execute", sent)
+    try:
+        with count_statements(store.engine) as seen:
+            replay = post(client, "k", {"n": 1}, path="/write")
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", sent)
     assert replay.headers["Idempotent-Replayed"] == "true"
     if store.dialect == "postgresql":
         # The process completed the key, so a retry here looks for its record first: that
-        # lookup alone, on the business connection before any BEGIN, no transaction.
+        # lookup alone, in autocommit: no transaction opened, none rolled back.
         assert len(seen) == 1 and "idempotency_find_completed(" in seen[0], seen
+        assert in_autocommit == [True], "an atomic replay opened a transaction"
     mismatch = client.post("/write", json={"n": 2}, headers={"Idempotency-Key": "k"})
     assert mismatch.status_code == 422
     assert counter.calls == 1 and _rows(store, business) == 1

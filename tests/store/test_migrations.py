@@ -458,17 +458,17 @@ def test_upgrade_from_0007_moves_the_request_path_to_kept_plans(
         assert _functions(engine) == FUNCTIONS
         replay = store.claim(done, FP, ttl=600, lease=30)
         assert not replay.claimed and replay.record.response == RESPONSE
-        for attempt in ("in the transaction", "remembered: before it"):
-            connection = store.begin()
-            try:
-                atomic = store.claim_atomic(connection, done, FP, ttl=600)
-                assert atomic is not None and not atomic.claimed, attempt
-                assert atomic.record.response == RESPONSE
-                status = connection.connection.dbapi_connection.info.transaction_status
-            finally:
-                connection.rollback()
-                connection.close()
-        assert status == 0, "a remembered atomic replay opens no transaction"
+        assert store.completed_before_claim(done) is None, "not remembered yet"
+        connection = store.begin()
+        try:
+            atomic = store.claim_atomic(connection, done, FP, ttl=600)
+            assert atomic is not None and not atomic.claimed, "in the transaction"
+            assert atomic.record.response == RESPONSE
+        finally:
+            connection.rollback()
+            connection.close()
+        remembered = store.completed_before_claim(done)
+        assert remembered is not None and remembered.response == RESPONSE, "remembered"
         connection = store.begin()
         try:
             new = Scope("tenant", "POST /p", "atomic-after-0014")
