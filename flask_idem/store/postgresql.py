@@ -419,9 +419,10 @@ class PostgresStore(SQLStore):
                             return found
                         values = tuple(conn.exec_driver_sql(statement, parameters).one())
                 else:
-                    values = self._row_alone(statement, parameters)
-                    if values is None:
+                    row = self._row_alone(statement, parameters)
+                    if row is None:
                         raise sa.exc.NoResultFound("the claim returned no row")
+                    values = row
         except StoreUnavailable as exc:
             if not self.keys.rotating and not isinstance(exc, SchemaMissing):
                 # One autocommitted statement: a server silent past the deadline may still
