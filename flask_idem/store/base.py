@@ -162,10 +162,14 @@ class RequestStore(abc.ABC):
         :returns: the claim, or None when a duplicate holds the scope right now.
         """
 
-    def completed_before_claim(self, scope: Scope) -> Record | None:
-        """The live completed record of ``scope``, read on its own (no business transaction
-        opened, none rolled back) for a key this process met completed lately: an atomic
-        replay in one statement. None: claim as usual (a store keeping no such memory)."""
+    def completed_before_claim(
+        self, scope: Scope, connection: sa.Connection | None = None
+    ) -> Record | None:
+        """The live completed record of ``scope``, read in autocommit before any business
+        transaction, for a key this process met completed lately: an atomic replay in one
+        statement. On ``connection`` (a business connection opened before the claim, whose
+        transaction has not begun) or, without one, on a pooled connection of its own.
+        None: claim as usual (a store keeping no such memory)."""
         return None
 
     @abc.abstractmethod

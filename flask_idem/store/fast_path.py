@@ -135,18 +135,26 @@ def dbapi_error(
     )
 
 
-def autocommitted(
-    engine: sa.Engine, statement: str, parameters: t.Any, read: t.Callable[[t.Any], t.Any]
-) -> t.Any:
-    """``read`` of ``statement`` on a pooled connection in autocommit (:func:`on_cursor`)."""
+@contextlib.contextmanager
+def checked_out(engine: sa.Engine) -> t.Iterator[t.Any]:
+    """A pooled connection of ``engine`` (no SQLAlchemy ``Connection`` around it), checked in
+    after the block; a failed checkout is SQLAlchemy's exception for it."""
     try:
         pooled = engine.raw_connection()
     except engine.dialect.loaded_dbapi.Error as exc:
         raise dbapi_error(engine, exc, None, None, invalidated=False) from exc
     try:
-        return on_cursor(engine, pooled, None, statement, parameters, read, autocommit=True)
+        yield pooled
     finally:
         pooled.close()
+
+
+def autocommitted(
+    engine: sa.Engine, statement: str, parameters: t.Any, read: t.Callable[[t.Any], t.Any]
+) -> t.Any:
+    """``read`` of ``statement`` on a pooled connection in autocommit (:func:`on_cursor`)."""
+    with checked_out(engine) as pooled:
+        return on_cursor(engine, pooled, None, statement, parameters, read, autocommit=True)
 
 
 def on_cursor(

@@ -176,6 +176,8 @@ def _past_ttl_immutable(row: str, clock: str) -> str:
 # live when this request looked. Anything else (no record, in progress, unknown) is left to
 # the reserving claim: a new key, or "busy" (409 or a wait), as before.
 _FIND_COMPLETED = "SELECT * FROM idempotency_find_completed(%(tenant)s, %(endpoint)s, %(key)s)"
+#: libpq's PQTRANS_IDLE (psycopg2 and psycopg 3 ``info.transaction_status``): no transaction.
+_IDLE = 0
 #: Set by the reserving claim, local to its transaction: the token of the record it holds.
 _RESERVED_SETTING = "flask_idem.reserved"
 _CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_reserve(")
@@ -580,7 +582,9 @@ class PostgresStore(SQLStore):
         reservation = _Reservation(self, connection, record)
         return ClaimResult(record, claimed=True, reservation=reservation)
 
-    def completed_before_claim(self, scope: Scope) -> Record | None:
+    def completed_before_claim(
+        self, scope: Scope, connection: sa.Connection | None = None
+    ) -> Record | None:
         if self.keys.rotating:
             return None  # every form is looked up under the claim's locks (_previous)
         digest = self.keys.current_of(scope)
@@ -589,12 +593,46 @@ class PostgresStore(SQLStore):
         if _hint(scope) not in self._recently_completed:
             return None
         parameters = {"tenant": scope.tenant, "endpoint": scope.endpoint, "key": digest}
+        look = self._completed_in_autocommit
         with translate_errors():
-            values = self._row_alone(_FIND_COMPLETED, parameters)
+            if connection is not None:
+                values = look(connection.connection, connection, parameters)
+            elif self._fast():
+                with fast_path.checked_out(self.engine) as pooled:
+                    values = look(pooled, None, parameters)
+            else:
+                with self.engine.connect() as own:
+                    values = look(own.connection, own, parameters)
         if values is None:
             self._recently_completed.discard(_hint(scope))
             return None
         return build_record(scope, self.sealer, *values[1:])
+
+    def _completed_in_autocommit(
+        self, pooled: t.Any, owner: sa.Connection | None, parameters: dict[str, t.Any]
+    ) -> tuple[t.Any, ...] | None:
+        """:data:`_FIND_COMPLETED`'s row, with the driver in autocommit. None also when the
+        driver is in a transaction already (a hook used the business connection, a pool
+        checkout listener ran a statement; psycopg2 also refuses the switch after a
+        ``COMMIT`` sent as SQL, which it does not see): the claim in the transaction then
+        answers, as it would have."""
+        dbapi_connection = pooled.dbapi_connection
+        if dbapi_connection.info.transaction_status != _IDLE:
+            return None
+        switch = fast_path.Autocommit(dbapi_connection)
+        try:
+            switch.__enter__()
+        except self.engine.dialect.loaded_dbapi.Error:
+            return None
+        try:
+            if owner is not None:
+                return self._atomic_row(owner, _FIND_COMPLETED, parameters)
+            row = fast_path.on_cursor(
+                self.engine, pooled, None, _FIND_COMPLETED, parameters, _first_row
+            )
+            return t.cast("tuple[t.Any, ...] | None", row)
+        finally:
+            switch.__exit__()
 
     def _atomic_row(
         self, connection: sa.Connection, statement: str, parameters: dict[str, t.Any]

@@ -606,3 +606,74 @@ def test_an_answer_that_took_longer_than_its_ttl_still_replays(
     replay = post(client, "k", {"n": 1}, path="/slow")
     assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert counter.calls == 1 and _rows(store, business) == 1
+
+
+def _remembered_replays(
+    engine: sa.Engine, hook: t.Callable[[Idempotency], None] | None = None
+) -> list[tuple[int, str | None]]:
+    """A new key, then two replays of it (the second of a key the process remembers) and the
+    same key with another body, on an atomic view of an app on ``engine``; ``hook`` runs
+    before every request's claim."""
+    app = flask.Flask("remembered")
+    app.config["IDEMPOTENCY_ENGINE"] = engine
+    idem = Idempotency(app, tenant=lambda: "t1")
+    counter = Counter()
+    if hook is not None:
+        app.before_request(lambda: hook(idem))
+
+    @app.post("/orders")
+    @idem.idempotent(atomic=True)
+    def create() -> t.Any:
+        counter.bump()
+        idem.connection().exec_driver_sql("SELECT 1")
+        return {"ok": True}, 201
+
+    client = app.test_client()
+    key = f"remembered-{time.monotonic_ns()}"
+    answers = [
+        client.post("/orders", json=body, headers={"Idempotency-Key": key})
+        for body in ({"n": 1}, {"n": 1}, {"n": 1}, {"n": 2})
+    ]
+    assert counter.calls == 1
+    return [(a.status_code, a.headers.get("Idempotent-Replayed")) for a in answers]
+
+
+EXPECTED = [(201, None), (201, "true"), (201, "true"), (422, None)]
+
+
+@pytest.mark.postgresql
+def test_a_remembered_replay_takes_no_second_connection_from_the_pool(pg_url: str) -> None:
+    """A hook that used idem.connection() before the claim holds the request's pooled
+    connection: a replay of a remembered key looks its record up on that one, never on a
+    second (a pool of one connection would time out: 503)."""
+    engine = create_engine(pg_url, pool_size=1, max_overflow=0, pool_timeout=1)
+    try:
+        started = time.monotonic()
+        hooked = _remembered_replays(
+            engine, lambda idem: idem.connection().exec_driver_sql("SELECT 1") and None
+        )
+        assert hooked == EXPECTED
+        assert time.monotonic() - started < 1
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgresql
+def test_a_remembered_replay_behind_a_checkout_listener_that_opens_a_transaction(
+    pg_url: str,
+) -> None:
+    """A pool checkout listener that runs a statement (a row-level-security tenant setting)
+    hands connections out inside a transaction, which cannot be switched to autocommit: the
+    lookup of a remembered key is then left to the claim in the transaction (never a 503)."""
+    engine = create_engine(pg_url)
+
+    def tenant_setting(dbapi_connection: t.Any, *_: t.Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("SELECT set_config('app.tenant', 't1', false)")
+        cursor.close()
+
+    sa.event.listen(engine, "checkout", tenant_setting)
+    try:
+        assert _remembered_replays(engine) == EXPECTED
+    finally:
+        engine.dispose()
