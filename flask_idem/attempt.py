@@ -846,6 +846,10 @@ class Attempt:
             getattr(target, how)()
         finally:
             self._settling = False
+            if target is self.session:
+                # The session let its connection go: the next begin() asks it for a new one
+                # (an atomic claim that waited for a duplicate claims again).
+                self.connection = None
 
     def rollback_quietly(self) -> None:
         """Roll back, logging a failure. The session may hold a transaction (and SQLite's

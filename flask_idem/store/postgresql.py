@@ -178,6 +178,11 @@ def _past_ttl_immutable(row: str, clock: str) -> str:
 _FIND_COMPLETED = "SELECT * FROM idempotency_find_completed(%(tenant)s, %(endpoint)s, %(key)s)"
 #: libpq's PQTRANS_IDLE (psycopg2 and psycopg 3 ``info.transaction_status``): no transaction.
 _IDLE = 0
+#: The early lookup of a completed record was left to the claim: the driver is in a transaction.
+_IN_TRANSACTION = object()
+#: psycopg2's own idea of a connection in no transaction (``connection.status``; psycopg 3
+#: connections have no ``status``: they read the server's).
+_PSYCOPG2_READY = 1
 #: Set by the reserving claim, local to its transaction: the token of the record it holds.
 _RESERVED_SETTING = "flask_idem.reserved"
 _CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_reserve(")
@@ -303,6 +308,20 @@ class _RecentlyCompleted:
 
     def discard(self, scope: tuple[str, str, str | None]) -> None:
         self._scopes.pop(scope, None)
+
+
+def _resynchronise(dbapi_connection: t.Any) -> None:
+    """Make the atomic claim's statement begin a real transaction where psycopg2 believes one
+    is open that the server has ended (a hook sent ``COMMIT`` or ``ROLLBACK`` as SQL, which
+    psycopg2 does not see): it would send no ``BEGIN``, the claim's lock and reservation would
+    end with its own statement, the view's rows would commit one by one with no record, and a
+    retry would run the view again. Its rollback (the server has nothing left to roll back)
+    puts it back in step; not counted as an end of the business transaction."""
+    if (
+        getattr(dbapi_connection, "status", _PSYCOPG2_READY) != _PSYCOPG2_READY
+        and dbapi_connection.info.transaction_status == _IDLE
+    ):
+        commit_count.through_sqlalchemy(dbapi_connection.rollback)
 
 
 class _Busy(Exception):
@@ -549,6 +568,7 @@ class PostgresStore(SQLStore):
                 "an atomic view needs a real transaction: the business connection is in "
                 "autocommit (IDEMPOTENCY_ENGINE with isolation_level='AUTOCOMMIT'?)"
             )
+        _resynchronise(dbapi_connection)
         scope, fingerprint = self._claimed(scope, fingerprint)
         parameters = _claim_parameters(scope, fingerprint, ttl, lease=0)
         statement = _CLAIM_ATOMIC
@@ -597,33 +617,42 @@ class PostgresStore(SQLStore):
         with translate_errors():
             if connection is not None:
                 values = look(connection.connection, connection, parameters)
+            elif not self._lone_lookups:
+                return None
             elif self._fast():
                 with fast_path.checked_out(self.engine) as pooled:
                     values = look(pooled, None, parameters)
             else:
                 with self.engine.connect() as own:
                     values = look(own.connection, own, parameters)
+        if values is _IN_TRANSACTION:
+            if connection is None:
+                # The pool hands connections out in a transaction (a checkout listener runs a
+                # statement): a lookup on one of its own would cost every replay a second
+                # checkout and a rollback. The claim in the transaction answers from now on.
+                self._lone_lookups = False
+            return None
         if values is None:
             self._recently_completed.discard(_hint(scope))
             return None
-        return build_record(scope, self.sealer, *values[1:])
+        return build_record(scope, self.sealer, *t.cast("tuple[t.Any, ...]", values)[1:])
 
     def _completed_in_autocommit(
         self, pooled: t.Any, owner: sa.Connection | None, parameters: dict[str, t.Any]
-    ) -> tuple[t.Any, ...] | None:
-        """:data:`_FIND_COMPLETED`'s row, with the driver in autocommit. None also when the
-        driver is in a transaction already (a hook used the business connection, a pool
-        checkout listener ran a statement; psycopg2 also refuses the switch after a
-        ``COMMIT`` sent as SQL, which it does not see): the claim in the transaction then
-        answers, as it would have."""
+    ) -> tuple[t.Any, ...] | object | None:
+        """:data:`_FIND_COMPLETED`'s row (None: no live completed record), with the driver in
+        autocommit; :data:`_IN_TRANSACTION` when the driver is in a transaction already (a
+        hook used the business connection, a pool checkout listener ran a statement; psycopg2
+        also refuses the switch after a ``COMMIT`` sent as SQL, which it does not see): the
+        claim in the transaction then answers, as it would have."""
         dbapi_connection = pooled.dbapi_connection
         if dbapi_connection.info.transaction_status != _IDLE:
-            return None
+            return _IN_TRANSACTION
         switch = fast_path.Autocommit(dbapi_connection)
         try:
             switch.__enter__()
         except self.engine.dialect.loaded_dbapi.Error:
-            return None
+            return _IN_TRANSACTION
         try:
             if owner is not None:
                 return self._atomic_row(owner, _FIND_COMPLETED, parameters)
@@ -777,6 +806,10 @@ class PostgresStore(SQLStore):
     @functools.cached_property
     def _recently_completed(self) -> _RecentlyCompleted:
         return _RecentlyCompleted(RECENTLY_COMPLETED)
+
+    #: Whether a remembered key may be looked up on a pooled connection of its own (False once
+    #: the pool handed one out in a transaction: see :meth:`completed_before_claim`).
+    _lone_lookups = True
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         # Rows land in DEFAULT only when upkeep fell behind; expire them row by row, in

@@ -666,8 +666,10 @@ def test_a_remembered_replay_behind_a_checkout_listener_that_opens_a_transaction
     hands connections out inside a transaction, which cannot be switched to autocommit: the
     lookup of a remembered key is then left to the claim in the transaction (never a 503)."""
     engine = create_engine(pg_url)
+    checkouts: list[object] = []
 
     def tenant_setting(dbapi_connection: t.Any, *_: t.Any) -> None:
+        checkouts.append(dbapi_connection)
         cursor = dbapi_connection.cursor()
         cursor.execute("SELECT set_config('app.tenant', 't1', false)")
         cursor.close()
@@ -675,5 +677,53 @@ def test_a_remembered_replay_behind_a_checkout_listener_that_opens_a_transaction
     sa.event.listen(engine, "checkout", tenant_setting)
     try:
         assert _remembered_replays(engine) == EXPECTED
+        # One checkout a request, but for the first remembered replay, which meets such a
+        # connection on its own lookup: later ones leave the lookup to the claim at once.
+        assert len(checkouts) == 5, len(checkouts)
     finally:
+        engine.dispose()
+
+
+@pytest.mark.postgresql
+def test_a_hook_that_commits_with_sql_leaves_the_atomic_claim_its_transaction(
+    pg_url: str,
+) -> None:
+    """A before_request hook that ends idem.connection()'s transaction with ``COMMIT`` sent as
+    SQL: psycopg2 does not see it and would send no ``BEGIN`` for the claim, whose lock and
+    reservation would then end with its own statement, and the view's row commit with no
+    record (every retry ran the view again). The claim begins a real transaction."""
+    app = flask.Flask("hook-commits")
+    app.config["IDEMPOTENCY_DATABASE_URL"] = pg_url
+    idem = Idempotency(app, tenant=lambda: "t1")
+    engine = app.extensions["idempotency"].store.engine
+    table = f"hook_commits_{time.monotonic_ns()}"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE TABLE {table} (n int)")
+
+    @app.before_request
+    def access_log() -> None:
+        idem.connection().exec_driver_sql("SELECT 1")
+        idem.connection().exec_driver_sql("COMMIT")
+
+    @app.post("/pay")
+    @idem.idempotent(atomic=True)
+    def pay() -> t.Any:
+        idem.connection().exec_driver_sql(f"INSERT INTO {table} VALUES (1)")
+        return {"paid": True}, 201
+
+    client = app.test_client()
+    try:
+        answers = [
+            client.post("/pay", json={}, headers={"Idempotency-Key": "once"}) for _ in range(3)
+        ]
+        assert [(a.status_code, a.headers.get("Idempotent-Replayed")) for a in answers] == [
+            (201, None),
+            (201, "true"),
+            (201, "true"),
+        ]
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql(f"SELECT count(*) FROM {table}").scalar_one() == 1
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TABLE {table}")
         engine.dispose()

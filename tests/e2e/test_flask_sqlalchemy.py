@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import typing as t
 
@@ -204,3 +205,52 @@ def test_a_job_inside_a_protected_view_is_refused(
         assert again.status_code == 409, "durable: unknown outcome, never run again"
     with app.app_context():
         assert receipt("outside") == "outside", "outside a protected request the job runs"
+
+
+@pytest.mark.postgresql
+def test_an_atomic_duplicate_waits_for_the_running_request_and_replays_it(pg_url: str) -> None:
+    """With ``db=db`` and ``IDEMPOTENCY_WAIT``, a duplicate that finds the key busy rolls the
+    session back and claims again: on the connection the session hands out next, never on the
+    one it let go (a 500, ``This Connection is closed``)."""
+    from flask_sqlalchemy import SQLAlchemy
+
+    from flask_idem.store import engine_options, normalize_url
+
+    url = normalize_url(pg_url).render_as_string(hide_password=False)
+    app = Flask("waits")
+    app.config.update(
+        SQLALCHEMY_DATABASE_URI=url,
+        SQLALCHEMY_ENGINE_OPTIONS=engine_options(url),
+        IDEMPOTENCY_WAIT=5,
+        PROPAGATE_EXCEPTIONS=False,
+    )
+    db = SQLAlchemy(app)
+    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
+    runs: list[int] = []
+
+    @app.post("/slow")
+    @idem.idempotent(atomic=True)
+    def slow() -> t.Any:
+        runs.append(1)
+        time.sleep(0.5)
+        return {"run": len(runs)}, 201
+
+    key = f"waits-{time.monotonic_ns()}"
+    answers: dict[int, t.Any] = {}
+
+    def send(n: int) -> None:
+        answers[n] = app.test_client().post("/slow", json={}, headers={"Idempotency-Key": key})
+
+    first = threading.Thread(target=send, args=(1,))
+    first.start()
+    time.sleep(0.2)
+    send(2)
+    first.join()
+    try:
+        assert answers[1].status_code == 201 and answers[1].get_json() == {"run": 1}
+        assert answers[2].status_code == 201, answers[2].get_json()
+        assert answers[2].headers["Idempotent-Replayed"] == "true"
+        assert answers[2].get_json() == {"run": 1} and len(runs) == 1
+    finally:
+        with app.app_context():
+            db.engine.dispose()
