@@ -103,7 +103,7 @@ from .lease import Watch
 from .observers import call_observer
 from .sessions import replaced, roll_back_fresh
 from .state import ATTEMPT_SLOT, SESSION_ATTEMPT, AppState, Trace, current_attempt
-from .store import OneDeadline, Tally, redacted, translate_errors
+from .store import OneDeadline, Tally, redacted, resynchronise, translate_errors
 
 log = logging.getLogger("flask_idem")
 
@@ -810,6 +810,9 @@ class Attempt:
         elif self.connection is None:
             self.connection = app_state.store.begin()
             count_ends_from_start(self.connection)
+        if not (self.connection.closed or self.connection.invalidated):
+            # A hook's COMMIT sent as SQL, which psycopg2 does not see.
+            resynchronise(self.connection.connection.dbapi_connection)
         return self.connection
 
     def attach_session(self) -> t.Any:
@@ -846,10 +849,11 @@ class Attempt:
             getattr(target, how)()
         finally:
             self._settling = False
-            if target is self.session:
-                # The session let its connection go: the next begin() asks it for a new one
-                # (an atomic claim that waited for a duplicate claims again).
-                self.connection = None
+        if target is self.session:
+            # Settled, the session let its connection go: the next begin() asks it for a new
+            # one (an atomic claim that waited for a duplicate claims again). A failed settle
+            # keeps it: what the failure means is read off it (a commit that may have landed).
+            self.connection = None
 
     def rollback_quietly(self) -> None:
         """Roll back, logging a failure. The session may hold a transaction (and SQLite's

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from ..core.errors import ConfigurationError
 from . import engines, pooler
 from .base import OperatorStore, RequestStore, Store, operator_store
-from .commit_count import Tally
+from .commit_count import Tally, resynchronise
 from .engines import OneDeadline
 from .messages import redacted
 from .postgresql import PostgresStore
@@ -20,6 +20,7 @@ from .sqlite import SQLiteStore
 # request needs around them (errors as StoreUnavailable, redacted database errors, one
 # deadline for a checkout and a claim, the count of an attempt's commits below SQLAlchemy).
 __all__ = [
+    "resynchronise",
     "OneDeadline",
     "OperatorStore",
     "PostgresStore",

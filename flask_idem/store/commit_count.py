@@ -302,3 +302,18 @@ def ended_below(connection: sa.Connection) -> bool:
             and dbapi.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
         )
     return getattr(dbapi, "in_transaction", True) is False  # sqlite3
+
+
+def resynchronise(dbapi_connection: t.Any) -> None:
+    """Put psycopg2 back in step where it believes a transaction is open that the server has
+    ended (a hook sent ``COMMIT`` or ``ROLLBACK`` as SQL, which psycopg2 does not see): it would
+    send no ``BEGIN``, and each statement after would commit on its own (an atomic claim's lock
+    and reservation with it, a durable view's rows apart from their record). Its rollback (the
+    server has nothing left to roll back) makes the next statement begin a real transaction;
+    not counted as an end of the business transaction. psycopg 3 reads the server's state."""
+    if (
+        isinstance(dbapi_connection, psycopg2.extensions.connection)
+        and dbapi_connection.status == psycopg2.extensions.STATUS_BEGIN
+        and dbapi_connection.info.transaction_status == psycopg2.extensions.TRANSACTION_STATUS_IDLE
+    ):
+        through_sqlalchemy(dbapi_connection.rollback)

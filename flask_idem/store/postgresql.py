@@ -180,9 +180,6 @@ _FIND_COMPLETED = "SELECT * FROM idempotency_find_completed(%(tenant)s, %(endpoi
 _IDLE = 0
 #: The early lookup of a completed record was left to the claim: the driver is in a transaction.
 _IN_TRANSACTION = object()
-#: psycopg2's own idea of a connection in no transaction (``connection.status``; psycopg 3
-#: connections have no ``status``: they read the server's).
-_PSYCOPG2_READY = 1
 #: Set by the reserving claim, local to its transaction: the token of the record it holds.
 _RESERVED_SETTING = "flask_idem.reserved"
 _CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_reserve(")
@@ -308,20 +305,6 @@ class _RecentlyCompleted:
 
     def discard(self, scope: tuple[str, str, str | None]) -> None:
         self._scopes.pop(scope, None)
-
-
-def _resynchronise(dbapi_connection: t.Any) -> None:
-    """Make the atomic claim's statement begin a real transaction where psycopg2 believes one
-    is open that the server has ended (a hook sent ``COMMIT`` or ``ROLLBACK`` as SQL, which
-    psycopg2 does not see): it would send no ``BEGIN``, the claim's lock and reservation would
-    end with its own statement, the view's rows would commit one by one with no record, and a
-    retry would run the view again. Its rollback (the server has nothing left to roll back)
-    puts it back in step; not counted as an end of the business transaction."""
-    if (
-        getattr(dbapi_connection, "status", _PSYCOPG2_READY) != _PSYCOPG2_READY
-        and dbapi_connection.info.transaction_status == _IDLE
-    ):
-        commit_count.through_sqlalchemy(dbapi_connection.rollback)
 
 
 class _Busy(Exception):
@@ -568,7 +551,7 @@ class PostgresStore(SQLStore):
                 "an atomic view needs a real transaction: the business connection is in "
                 "autocommit (IDEMPOTENCY_ENGINE with isolation_level='AUTOCOMMIT'?)"
             )
-        _resynchronise(dbapi_connection)
+        commit_count.resynchronise(dbapi_connection)
         scope, fingerprint = self._claimed(scope, fingerprint)
         parameters = _claim_parameters(scope, fingerprint, ttl, lease=0)
         statement = _CLAIM_ATOMIC

@@ -685,20 +685,24 @@ def test_a_remembered_replay_behind_a_checkout_listener_that_opens_a_transaction
 
 
 @pytest.mark.postgresql
-def test_a_hook_that_commits_with_sql_leaves_the_atomic_claim_its_transaction(
-    pg_url: str,
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "durable"])
+def test_a_hook_that_commits_with_sql_leaves_the_view_its_transaction(
+    pg_url: str, atomic: bool
 ) -> None:
     """A before_request hook that ends idem.connection()'s transaction with ``COMMIT`` sent as
-    SQL: psycopg2 does not see it and would send no ``BEGIN`` for the claim, whose lock and
-    reservation would then end with its own statement, and the view's row commit with no
-    record (every retry ran the view again). The claim begins a real transaction."""
+    SQL: psycopg2 does not see it and would send no ``BEGIN`` after it, so every statement
+    would commit on its own. Atomic: the claim's lock and reservation ended with its statement,
+    the view's row committed with no record, and every retry ran the view again. Durable: a
+    view that wrote and then failed before any contact had its key given back with its row
+    committed, and the retry wrote a second. The business transaction is a real one again."""
     app = flask.Flask("hook-commits")
-    app.config["IDEMPOTENCY_DATABASE_URL"] = pg_url
+    app.config.update(IDEMPOTENCY_DATABASE_URL=pg_url, PROPAGATE_EXCEPTIONS=False)
     idem = Idempotency(app, tenant=lambda: "t1")
     engine = app.extensions["idempotency"].store.engine
     table = f"hook_commits_{time.monotonic_ns()}"
     with engine.begin() as conn:
         conn.exec_driver_sql(f"CREATE TABLE {table} (n int)")
+    runs: list[int] = []
 
     @app.before_request
     def access_log() -> None:
@@ -706,23 +710,27 @@ def test_a_hook_that_commits_with_sql_leaves_the_atomic_claim_its_transaction(
         idem.connection().exec_driver_sql("COMMIT")
 
     @app.post("/pay")
-    @idem.idempotent(atomic=True)
+    @idem.idempotent(atomic=atomic, **({} if atomic else {"release_before_contact": True}))
     def pay() -> t.Any:
-        idem.connection().exec_driver_sql(f"INSERT INTO {table} VALUES (1)")
+        runs.append(1)
+        idem.connection().exec_driver_sql(f"INSERT INTO {table} VALUES ({len(runs)})")
+        if not atomic and len(runs) == 1:
+            raise RuntimeError("the provider timed out before any contact")
         return {"paid": True}, 201
 
     client = app.test_client()
     try:
         answers = [
-            client.post("/pay", json={}, headers={"Idempotency-Key": "once"}) for _ in range(3)
+            client.post("/pay", json={}, headers={"Idempotency-Key": table}) for _ in range(3)
         ]
-        assert [(a.status_code, a.headers.get("Idempotent-Replayed")) for a in answers] == [
-            (201, None),
-            (201, "true"),
-            (201, "true"),
-        ]
+        statuses = [(a.status_code, a.headers.get("Idempotent-Replayed")) for a in answers]
+        if atomic:
+            assert statuses == [(201, None), (201, "true"), (201, "true")]
+        else:
+            assert statuses == [(500, None), (201, None), (201, "true")]
         with engine.connect() as conn:
-            assert conn.exec_driver_sql(f"SELECT count(*) FROM {table}").scalar_one() == 1
+            rows = [r[0] for r in conn.exec_driver_sql(f"SELECT n FROM {table} ORDER BY n")]
+        assert rows == ([1] if atomic else [2]), "rows committed apart from their record"
     finally:
         with engine.begin() as conn:
             conn.exec_driver_sql(f"DROP TABLE {table}")

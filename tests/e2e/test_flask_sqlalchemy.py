@@ -207,25 +207,64 @@ def test_a_job_inside_a_protected_view_is_refused(
         assert receipt("outside") == "outside", "outside a protected request the job runs"
 
 
-@pytest.mark.postgresql
-def test_an_atomic_duplicate_waits_for_the_running_request_and_replays_it(pg_url: str) -> None:
-    """With ``db=db`` and ``IDEMPOTENCY_WAIT``, a duplicate that finds the key busy rolls the
-    session back and claims again: on the connection the session hands out next, never on the
-    one it let go (a 500, ``This Connection is closed``)."""
+def _session_app(pg_url: str, name: str, **config: t.Any) -> tuple[Flask, t.Any, Idempotency]:
+    """An app whose business transaction is its Flask-SQLAlchemy session (``db=db``)."""
     from flask_sqlalchemy import SQLAlchemy
 
     from flask_idem.store import engine_options, normalize_url
 
     url = normalize_url(pg_url).render_as_string(hide_password=False)
-    app = Flask("waits")
+    app = Flask(name)
     app.config.update(
         SQLALCHEMY_DATABASE_URI=url,
         SQLALCHEMY_ENGINE_OPTIONS=engine_options(url),
-        IDEMPOTENCY_WAIT=5,
         PROPAGATE_EXCEPTIONS=False,
+        **config,
     )
     db = SQLAlchemy(app)
-    idem = Idempotency(app, db=db, tenant=lambda: "alpha")
+    return app, db, Idempotency(app, db=db, tenant=lambda: "alpha")
+
+
+@pytest.mark.postgresql
+@pytest.mark.parametrize("mode", MODES)
+def test_a_session_commit_that_fails_never_answers_the_views_response(
+    pg_url: str, mode: str
+) -> None:
+    """The session's COMMIT fails (a deferred constraint): the client is told 503, never the
+    view's 201 for rows that were not committed."""
+    app, db, idem = _session_app(pg_url, f"commit-fails-{mode}")
+    table = f"deferred_{mode}_{time.monotonic_ns()}"
+    with app.app_context():
+        with db.engine.begin() as conn:
+            conn.exec_driver_sql(
+                f"CREATE TABLE {table} (n int, UNIQUE (n) DEFERRABLE INITIALLY DEFERRED)"
+            )
+
+    @app.post("/pay")
+    @idem.idempotent(atomic=mode == "atomic")
+    def pay() -> t.Any:
+        db.session.execute(sa.text(f"INSERT INTO {table} VALUES (1), (1)"))  # fails at COMMIT
+        return {"paid": True}, 201
+
+    try:
+        answer = app.test_client().post("/pay", json={}, headers={"Idempotency-Key": table})
+        assert answer.status_code == 503, answer.get_json()
+        with app.app_context():
+            assert db.session.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar() == 0
+    finally:
+        with app.app_context():
+            db.session.rollback()
+            with db.engine.begin() as conn:
+                conn.exec_driver_sql(f"DROP TABLE {table}")
+            db.engine.dispose()
+
+
+@pytest.mark.postgresql
+def test_an_atomic_duplicate_waits_for_the_running_request_and_replays_it(pg_url: str) -> None:
+    """With ``db=db`` and ``IDEMPOTENCY_WAIT``, a duplicate that finds the key busy rolls the
+    session back and claims again: on the connection the session hands out next, never on the
+    one it let go (a 500, ``This Connection is closed``)."""
+    app, db, idem = _session_app(pg_url, "waits", IDEMPOTENCY_WAIT=5)
     runs: list[int] = []
 
     @app.post("/slow")
