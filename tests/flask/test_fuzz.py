@@ -114,7 +114,13 @@ def extension_app(tmp_path_factory: pytest.TempPathFactory) -> flask.Flask:
     @app.post("/payments/<id>")
     @idem.idempotent(exclude=["client_ts"])
     def pay(id: str) -> t.Any:
-        body = flask.request.get_json(silent=True)
+        try:
+            body = flask.request.get_json(silent=True)
+        except RecursionError:
+            # The json module on a body nested deeper than the interpreter's recursion limit
+            # (which the extension's own parse of it survives): the view's crash, not the
+            # extension's answer, and silent=True does not cover it.
+            body = None
         return {"id": id, "kind": type(body).__name__}, 201
 
     return app
