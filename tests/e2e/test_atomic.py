@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import datetime as dt
 import http.client
 import multiprocessing
@@ -51,6 +52,27 @@ def business(store: SQLStore) -> t.Iterator[sa.Table]:
     ledger.metadata.drop_all(store.engine)
 
 
+@contextlib.contextmanager
+def _seen(
+    engine: sa.Engine, event: str, pick: t.Callable[[sa.Connection], t.Any]
+) -> t.Iterator[list[t.Any]]:
+    """What ``pick`` makes of the connection of every ``event`` of ``engine`` in the block."""
+    picked: list[t.Any] = []
+
+    def listener(connection: sa.Connection, *_: t.Any) -> None:
+        picked.append(pick(connection))
+
+    sa.event.listen(engine, event, listener)
+    try:
+        yield picked
+    finally:
+        sa.event.remove(engine, event, listener)
+
+
+def _in_autocommit(connection: sa.Connection) -> bool:
+    return bool(getattr(connection.connection.dbapi_connection, "autocommit", False))
+
+
 def _rows(store: SQLStore, table: sa.Table) -> int:
     with store.engine.connect() as conn:
         return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
@@ -69,17 +91,9 @@ def test_one_commit_replay_and_mismatch(
         return {"ok": True}, 201
 
     client = app.test_client()
-    commits: list[object] = []
-
-    def committed(connection: object) -> None:
-        commits.append(connection)
-
-    sa.event.listen(store.engine, "commit", committed)
-    try:
+    with _seen(store.engine, "commit", lambda conn: conn) as commits:
         with count_statements(store.engine) as seen:
             first = post(client, "k", {"n": 1}, path="/write")
-    finally:
-        sa.event.remove(store.engine, "commit", committed)
     assert first.status_code == 201
     assert len(commits) == 1, "claim, business row and stored response: one commit"
     if store.dialect == "postgresql":
@@ -97,17 +111,9 @@ def test_one_commit_replay_and_mismatch(
             ).one()
         assert row[:4] == ("completed", 201, True, True)
         assert row[4] == dt.timedelta(seconds=app.extensions["idempotency"].settings.ttl)
-    in_autocommit: list[bool] = []
-
-    def sent(connection: sa.Connection, *_: object) -> None:
-        in_autocommit.append(bool(getattr(connection.connection.dbapi_connection, "autocommit", 0)))
-
-    sa.event.listen(store.engine, "before_cursor_execute", sent)
-    try:
+    with _seen(store.engine, "before_cursor_execute", _in_autocommit) as in_autocommit:
         with count_statements(store.engine) as seen:
             replay = post(client, "k", {"n": 1}, path="/write")
-    finally:
-        sa.event.remove(store.engine, "before_cursor_execute", sent)
     assert replay.headers["Idempotent-Replayed"] == "true"
     if store.dialect == "postgresql":
         # The process completed the key, so a retry here looks for its record first: that
