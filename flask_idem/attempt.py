@@ -994,17 +994,11 @@ class Attempt:
         assert self.scope is not None
         self.fingerprint = digest
         store = self.app_state.store
-        # A request that holds no connection yet looks a remembered key up on one of its own
-        # and opens nothing for a replay; one that does (a hook's idem.connection(), or
-        # db.session's, which a hook or the tenant callable may have used) looks it up on
-        # that one: never two pooled connections for one request.
-        alone = self.connection is None and self.app_state.sessions is None
         with OneDeadline():  # the checkout and the claim: one wait for the server
-            connection = None if alone else self.begin()
+            connection = self.begin()
             completed = store.completed_before_claim(self.scope, connection)
             if completed is not None:
                 return ClaimResult(completed, claimed=False)  # a replay: no transaction
-            connection = connection or self.begin()
             result = store.claim_atomic(connection, self.scope, digest, ttl=self.ttl)
         if result is not None and result.claimed:
             self.token, self.record = result.token, result.record

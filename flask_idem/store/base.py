@@ -162,14 +162,11 @@ class RequestStore(abc.ABC):
         :returns: the claim, or None when a duplicate holds the scope right now.
         """
 
-    def completed_before_claim(
-        self, scope: Scope, connection: sa.Connection | None = None
-    ) -> Record | None:
-        """The live completed record of ``scope``, read in autocommit before any business
-        transaction, for a key this process met completed lately: an atomic replay in one
-        statement. On ``connection`` (a business connection opened before the claim, whose
-        transaction has not begun) or, without one, on a pooled connection of its own.
-        None: claim as usual (a store keeping no such memory)."""
+    def completed_before_claim(self, scope: Scope, connection: sa.Connection) -> Record | None:
+        """The live completed record of ``scope``, read on ``connection`` (the business
+        connection, before its transaction has begun) in autocommit: an atomic replay in one
+        statement, with no transaction. None: claim as usual (no such record, a transaction
+        already open on ``connection``, or a store that cannot read outside one)."""
         return None
 
     @abc.abstractmethod

@@ -178,8 +178,6 @@ def _past_ttl_immutable(row: str, clock: str) -> str:
 _FIND_COMPLETED = "SELECT * FROM idempotency_find_completed(%(tenant)s, %(endpoint)s, %(key)s)"
 #: libpq's PQTRANS_IDLE (psycopg2 and psycopg 3 ``info.transaction_status``): no transaction.
 _IDLE = 0
-#: The early lookup of a completed record was left to the claim: the driver is in a transaction.
-_IN_TRANSACTION = object()
 #: Set by the reserving claim, local to its transaction: the token of the record it holds.
 _RESERVED_SETTING = "flask_idem.reserved"
 _CLAIM_ATOMIC_AUDITED = _CLAIM_AUDITED.replace("idempotency_claim(", "idempotency_claim_reserve(")
@@ -264,47 +262,6 @@ _LOCK_KEYS = sa.text(
 )
 _LOCK = sa.text("SELECT pg_advisory_xact_lock(hashtext('flask_idem'), :h)::text")
 _TRY_LOCK = sa.text("SELECT pg_try_advisory_xact_lock(hashtext('flask_idem'), :h)")
-
-
-#: Scopes an atomic claim remembers having met completed (per store, in each process).
-RECENTLY_COMPLETED = 4096
-
-
-def _hint(scope: Scope) -> tuple[str, str, str | None]:
-    return (scope.tenant, scope.endpoint, scope.digest)
-
-
-class _RecentlyCompleted:
-    """The scopes whose completed record this process met lately (completed it, or answered a
-    replay of it), oldest forgotten first: where an atomic claim looks for a completed record
-    before its business transaction opens.
-
-    Looking first for every key would cost each new key a round trip (measured: a new atomic
-    key's requests per second fell by a fifth, docs/performance.md) to save two for a replay,
-    and new keys are most requests. A scope remembered here is likely a retry; one that is
-    not still gets its answer (the claim in the transaction replays it), and is remembered
-    from then on. Only a hint: either path answers the same (the proof is at
-    :data:`_FIND_COMPLETED`), so a race between threads here can only cost a round trip.
-    """
-
-    __slots__ = ("_scopes", "_size")
-
-    def __init__(self, size: int) -> None:
-        self._scopes: dict[tuple[str, str, str | None], None] = {}
-        self._size = size
-
-    def __contains__(self, scope: object) -> bool:
-        return scope in self._scopes
-
-    def add(self, scope: tuple[str, str, str | None]) -> None:
-        self._scopes[scope] = None
-        if len(self._scopes) > self._size:
-            # Another thread may be changing the dict: then it stays one over, for now.
-            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
-                del self._scopes[next(iter(self._scopes))]
-
-    def discard(self, scope: tuple[str, str, str | None]) -> None:
-        self._scopes.pop(scope, None)
 
 
 class _Busy(Exception):
@@ -579,72 +536,29 @@ class PostgresStore(SQLStore):
         claimed, *columns = values
         record = build_record(scope, self.sealer, *columns)
         if not claimed:
-            if record.state is State.COMPLETED:
-                self._recently_completed.add(_hint(scope))
             return ClaimResult(record, claimed=False)
         reservation = _Reservation(self, connection, record)
         return ClaimResult(record, claimed=True, reservation=reservation)
 
-    def completed_before_claim(
-        self, scope: Scope, connection: sa.Connection | None = None
-    ) -> Record | None:
-        if self.keys.rotating:
-            return None  # every form is looked up under the claim's locks (_previous)
-        digest = self.keys.current_of(scope)
-        if digest is not scope.digest:
-            scope = dataclasses.replace(scope, digest=digest)
-        if _hint(scope) not in self._recently_completed:
-            return None
-        parameters = {"tenant": scope.tenant, "endpoint": scope.endpoint, "key": digest}
-        look = self._completed_in_autocommit
+    def completed_before_claim(self, scope: Scope, connection: sa.Connection) -> Record | None:
+        dbapi_connection = connection.connection.dbapi_connection
         with translate_errors():
-            if connection is not None:
-                values = look(connection.connection, connection, parameters)
-            elif not self._lone_lookups:
-                return None
-            elif self._fast():
-                with fast_path.checked_out(self.engine) as pooled:
-                    values = look(pooled, None, parameters)
-            else:
-                with self.engine.connect() as own:
-                    values = look(own.connection, own, parameters)
-        if values is _IN_TRANSACTION:
-            if connection is None:
-                # The pool hands connections out in a transaction (a checkout listener runs a
-                # statement): a lookup on one of its own would cost every replay a second
-                # checkout and a rollback. The claim in the transaction answers from now on.
-                self._lone_lookups = False
-            return None
+            commit_count.resynchronise(dbapi_connection)  # a hook's COMMIT sent as SQL
+            if dbapi_connection.info.transaction_status != _IDLE:
+                return None  # a hook's transaction: the claim in it answers, as it would have
+            with fast_path.Autocommit(dbapi_connection):
+                if self.keys.rotating:
+                    forms = self.keys.candidates(scope.tenant, scope.key)
+                    found = self._live_among(connection, scope, forms, completed=True)
+                    return None if found is None else found.record
+                digest = self.keys.current_of(scope)
+                if digest is not scope.digest:
+                    scope = dataclasses.replace(scope, digest=digest)
+                parameters = {"tenant": scope.tenant, "endpoint": scope.endpoint, "key": digest}
+                values = self._atomic_row(connection, _FIND_COMPLETED, parameters)
         if values is None:
-            self._recently_completed.discard(_hint(scope))
             return None
-        return build_record(scope, self.sealer, *t.cast("tuple[t.Any, ...]", values)[1:])
-
-    def _completed_in_autocommit(
-        self, pooled: t.Any, owner: sa.Connection | None, parameters: dict[str, t.Any]
-    ) -> tuple[t.Any, ...] | object | None:
-        """:data:`_FIND_COMPLETED`'s row (None: no live completed record), with the driver in
-        autocommit; :data:`_IN_TRANSACTION` when the driver is in a transaction already (a
-        hook used the business connection, a pool checkout listener ran a statement; psycopg2
-        also refuses the switch after a ``COMMIT`` sent as SQL, which it does not see): the
-        claim in the transaction then answers, as it would have."""
-        dbapi_connection = pooled.dbapi_connection
-        if dbapi_connection.info.transaction_status != _IDLE:
-            return _IN_TRANSACTION
-        switch = fast_path.Autocommit(dbapi_connection)
-        try:
-            switch.__enter__()
-        except self.engine.dialect.loaded_dbapi.Error:
-            return _IN_TRANSACTION
-        try:
-            if owner is not None:
-                return self._atomic_row(owner, _FIND_COMPLETED, parameters)
-            row = fast_path.on_cursor(
-                self.engine, pooled, None, _FIND_COMPLETED, parameters, _first_row
-            )
-            return t.cast("tuple[t.Any, ...] | None", row)
-        finally:
-            switch.__exit__()
+        return build_record(scope, self.sealer, *values[1:])
 
     def _atomic_row(
         self, connection: sa.Connection, statement: str, parameters: dict[str, t.Any]
@@ -780,19 +694,7 @@ class PostgresStore(SQLStore):
         result = self._write(
             self._insert_completed_statement, parameters, connection, scope=scope, event=event
         )
-        if result.rowcount != 1:
-            return False
-        if response is not None:
-            self._recently_completed.add(_hint(scope))  # its retries may come here
-        return True
-
-    @functools.cached_property
-    def _recently_completed(self) -> _RecentlyCompleted:
-        return _RecentlyCompleted(RECENTLY_COMPLETED)
-
-    #: Whether a remembered key may be looked up on a pooled connection of its own (False once
-    #: the pool handed one out in a transaction: see :meth:`completed_before_claim`).
-    _lone_lookups = True
+        return result.rowcount == 1
 
     def maintain(self, *, ahead: int, dry_run: bool = False) -> MaintenanceReport:
         # Rows land in DEFAULT only when upkeep fell behind; expire them row by row, in

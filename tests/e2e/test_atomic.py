@@ -97,11 +97,12 @@ def test_one_commit_replay_and_mismatch(
     assert first.status_code == 201
     assert len(commits) == 1, "claim, business row and stored response: one commit"
     if store.dialect == "postgresql":
-        # The claim (a reservation, migration 0007), the business INSERT and the record,
-        # inserted completed (migration 0014's function): nothing else on the wire, and the
-        # record is written once.
-        assert len(seen) == 3 and "idempotency_claim_reserve(" in seen[0], seen
-        assert seen[2].startswith("SELECT idempotency_complete_reserved("), seen
+        # The lookup of a completed record (none: a new key), the claim (a reservation,
+        # migration 0007), the business INSERT and the record, inserted completed (migration
+        # 0014's function): nothing else on the wire, and the record is written once.
+        assert len(seen) == 4 and "idempotency_find_completed(" in seen[0], seen
+        assert "idempotency_claim_reserve(" in seen[1], seen
+        assert seen[3].startswith("SELECT idempotency_complete_reserved("), seen
         with store.engine.connect() as conn:
             row = conn.execute(
                 sa.text(
@@ -116,8 +117,8 @@ def test_one_commit_replay_and_mismatch(
             replay = post(client, "k", {"n": 1}, path="/write")
     assert replay.headers["Idempotent-Replayed"] == "true"
     if store.dialect == "postgresql":
-        # The process completed the key, so a retry here looks for its record first: that
-        # lookup alone, in autocommit: no transaction opened, none rolled back.
+        # The lookup of a completed record, alone, in autocommit: no transaction opened, none
+        # rolled back.
         assert len(seen) == 1 and "idempotency_find_completed(" in seen[0], seen
         assert in_autocommit == [True], "an atomic replay opened a transaction"
     mismatch = client.post("/write", json={"n": 2}, headers={"Idempotency-Key": "k"})
@@ -614,16 +615,14 @@ def test_an_answer_that_took_longer_than_its_ttl_still_replays(
     assert counter.calls == 1 and _rows(store, business) == 1
 
 
-def _remembered_replays(
-    engine: sa.Engine, hook: t.Callable[[Idempotency], None] | None = None
-) -> list[tuple[int, str | None]]:
-    """A new key, then two replays of it (the second of a key the process remembers) and the
-    same key with another body, on an atomic view of an app on ``engine``; ``hook`` runs
-    before every request's claim."""
-    app = flask.Flask("remembered")
+def _orders(
+    engine: sa.Engine, counter: Counter, hook: t.Callable[[Idempotency], None] | None = None
+) -> flask.Flask:
+    """An app on ``engine`` with an atomic view that counts its runs; ``hook`` runs before
+    every request's claim."""
+    app = flask.Flask("orders")
     app.config["IDEMPOTENCY_ENGINE"] = engine
     idem = Idempotency(app, tenant=lambda: "t1")
-    counter = Counter()
     if hook is not None:
         app.before_request(lambda: hook(idem))
 
@@ -634,8 +633,16 @@ def _remembered_replays(
         idem.connection().exec_driver_sql("SELECT 1")
         return {"ok": True}, 201
 
-    client = app.test_client()
-    key = f"remembered-{time.monotonic_ns()}"
+    return app
+
+
+def _replays(
+    engine: sa.Engine, hook: t.Callable[[Idempotency], None] | None = None
+) -> list[tuple[int, str | None]]:
+    """A new key, then two replays of it and the same key with another body (:func:`_orders`)."""
+    counter = Counter()
+    client = _orders(engine, counter, hook).test_client()
+    key = f"replays-{time.monotonic_ns()}"
     answers = [
         client.post("/orders", json=body, headers={"Idempotency-Key": key})
         for body in ({"n": 1}, {"n": 1}, {"n": 1}, {"n": 2})
@@ -648,16 +655,43 @@ EXPECTED = [(201, None), (201, "true"), (201, "true"), (422, None)]
 
 
 @pytest.mark.postgresql
-def test_a_remembered_replay_takes_no_second_connection_from_the_pool(pg_url: str) -> None:
+def test_an_atomic_replay_is_one_statement_on_a_worker_that_never_met_the_key(
+    pg_url: str,
+) -> None:
+    """Another process (its own app, store and pool) answers a replay of a key completed
+    elsewhere, and a 422 for it, with the lookup of the completed record alone, in autocommit:
+    no transaction opened, none rolled back."""
+    first, other = create_engine(pg_url), create_engine(pg_url)
+    counter = Counter()
+    key = f"elsewhere-{time.monotonic_ns()}"
+    try:
+        created = _orders(first, counter).test_client().post(
+            "/orders", json={"n": 1}, headers={"Idempotency-Key": key}
+        )
+        assert created.status_code == 201
+        client = _orders(other, counter).test_client()
+        for body, status in (({"n": 1}, 201), ({"n": 2}, 422)):
+            with _seen(other, "before_cursor_execute", _in_autocommit) as in_autocommit:
+                with count_statements(other) as seen:
+                    answer = client.post("/orders", json=body, headers={"Idempotency-Key": key})
+            assert answer.status_code == status, answer.get_data(as_text=True)
+            assert len(seen) == 1 and "idempotency_find_completed(" in seen[0], seen
+            assert in_autocommit == [True], "an atomic replay opened a transaction"
+        assert counter.calls == 1
+    finally:
+        first.dispose()
+        other.dispose()
+
+
+@pytest.mark.postgresql
+def test_a_replay_takes_no_second_connection_from_the_pool(pg_url: str) -> None:
     """A hook that used idem.connection() before the claim holds the request's pooled
-    connection: a replay of a remembered key looks its record up on that one, never on a
-    second (a pool of one connection would time out: 503)."""
+    connection: a replay is answered on that one, never on a second (a pool of one connection
+    would time out: 503)."""
     engine = create_engine(pg_url, pool_size=1, max_overflow=0, pool_timeout=1)
     try:
         started = time.monotonic()
-        hooked = _remembered_replays(
-            engine, lambda idem: idem.connection().exec_driver_sql("SELECT 1") and None
-        )
+        hooked = _replays(engine, lambda idem: idem.connection().exec_driver_sql("SELECT 1") and None)
         assert hooked == EXPECTED
         assert time.monotonic() - started < 1
     finally:
@@ -665,12 +699,11 @@ def test_a_remembered_replay_takes_no_second_connection_from_the_pool(pg_url: st
 
 
 @pytest.mark.postgresql
-def test_a_remembered_replay_behind_a_checkout_listener_that_opens_a_transaction(
-    pg_url: str,
-) -> None:
+def test_a_replay_behind_a_checkout_listener_that_opens_a_transaction(pg_url: str) -> None:
     """A pool checkout listener that runs a statement (a row-level-security tenant setting)
     hands connections out inside a transaction, which cannot be switched to autocommit: the
-    lookup of a remembered key is then left to the claim in the transaction (never a 503)."""
+    lookup is then left to the claim in the transaction (never a 503), on the one connection
+    the request checked out."""
     engine = create_engine(pg_url)
     checkouts: list[object] = []
 
@@ -682,10 +715,8 @@ def test_a_remembered_replay_behind_a_checkout_listener_that_opens_a_transaction
 
     sa.event.listen(engine, "checkout", tenant_setting)
     try:
-        assert _remembered_replays(engine) == EXPECTED
-        # One checkout a request, but for the first remembered replay, which meets such a
-        # connection on its own lookup: later ones leave the lookup to the claim at once.
-        assert len(checkouts) == 5, len(checkouts)
+        assert _replays(engine) == EXPECTED
+        assert len(checkouts) == 4, len(checkouts)
     finally:
         engine.dispose()
 

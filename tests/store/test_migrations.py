@@ -434,7 +434,7 @@ def test_upgrade_from_0007_moves_the_request_path_to_kept_plans(
     fresh_pg_database: t.Callable[[], str],
 ) -> None:
     """Revision 0014, from 0007 with records in it: a record completed under 0007 still
-    replays (durable and atomic: once remembered, in one statement), one still in progress is
+    replays (durable; atomic in one statement before the transaction and in it), one still in progress is
     still completed by the claim that holds it, through idempotency_complete(); a new atomic
     key is completed through idempotency_complete_reserved(); only DEFAULT keeps an index on
     expires_at, and a partition made after the upgrade has none; the downgrade puts the index
@@ -458,17 +458,16 @@ def test_upgrade_from_0007_moves_the_request_path_to_kept_plans(
         assert _functions(engine) == FUNCTIONS
         replay = store.claim(done, FP, ttl=600, lease=30)
         assert not replay.claimed and replay.record.response == RESPONSE
-        assert store.completed_before_claim(done) is None, "not remembered yet"
         connection = store.begin()
         try:
+            before = store.completed_before_claim(done, connection)
+            assert before is not None and before.response == RESPONSE, "before the transaction"
             atomic = store.claim_atomic(connection, done, FP, ttl=600)
             assert atomic is not None and not atomic.claimed, "in the transaction"
             assert atomic.record.response == RESPONSE
         finally:
             connection.rollback()
             connection.close()
-        remembered = store.completed_before_claim(done)
-        assert remembered is not None and remembered.response == RESPONSE, "remembered"
         connection = store.begin()
         try:
             new = Scope("tenant", "POST /p", "atomic-after-0014")

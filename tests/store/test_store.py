@@ -160,15 +160,12 @@ def test_the_claim_the_lookup_and_the_purge_agree_at_the_end_of_the_ttl(
     assert _rows_of(store, scope) == 1 and store.get(scope) is not None, "the fresh one stays"
 
 
-def _claim_once(store: SQLStore, scope: Scope, *, busy: bool) -> ClaimResult | None:
-    """An atomic claim of ``scope`` as an atomic view makes it: the lookup of a completed
-    record the store remembers (alone, no transaction), else the claim in a transaction rolled
-    back after it. ``busy``: that transaction has sent a statement already (no lookup before
-    it), and another holds the scope's lock (the claim reads the completed record without it)."""
-    if not busy:
-        completed = store.completed_before_claim(scope)
-        if completed is not None:
-            return ClaimResult(completed, claimed=False)
+def _atomic_claim(store: SQLStore, scope: Scope, *, busy: bool = False) -> ClaimResult | None:
+    """An atomic claim of ``scope`` as an atomic view makes it, in a transaction rolled back
+    after it: the lookup of a completed record before the transaction (a replay: that one
+    statement, asserted), else the claim in it. ``busy``: that transaction has sent a statement
+    already (the lookup leaves it to the claim, asserted), and another holds the scope's lock
+    (the claim reads the completed record without it)."""
     lock = (
         "SELECT pg_advisory_xact_lock(hashtext('flask_idem'),"
         " hashtext(:tenant || E'\\x1f' || :endpoint || E'\\x1f' || :key))"
@@ -186,22 +183,17 @@ def _claim_once(store: SQLStore, scope: Scope, *, busy: bool) -> ClaimResult | N
         connection.begin()
         if busy:
             connection.exec_driver_sql("SELECT 1")
-        result = store.claim_atomic(connection, scope, FP, ttl=3600)
+        with count_statements(store.engine) as seen:
+            completed = store.completed_before_claim(scope, connection)
+        if completed is not None:
+            assert not busy
+            assert len(seen) == 1 and "idempotency_find_completed(" in seen[0], seen
+            result: ClaimResult | None = ClaimResult(completed, claimed=False)
+        else:
+            assert seen == [] if busy else len(seen) == 1, seen
+            result = store.claim_atomic(connection, scope, FP, ttl=3600)
         connection.rollback()
     return result
-
-
-def _atomic_claim(store: SQLStore, scope: Scope, *, busy: bool = False) -> ClaimResult | None:
-    """An atomic claim of ``scope`` (:func:`_claim_once`). A replay is claimed once more: the
-    store then remembers the scope, and finds its completed record before any transaction, in
-    one statement (asserted)."""
-    first = _claim_once(store, scope, busy=busy)
-    if busy or first is None or first.claimed:
-        return first
-    with count_statements(store.engine) as seen:
-        again = _claim_once(store, scope, busy=False)
-    assert len(seen) == 1 and "idempotency_find_completed(" in seen[0], seen
-    return again
 
 
 @pytest.mark.parametrize(
@@ -227,21 +219,21 @@ def test_an_atomic_replay_finds_its_record_in_every_partition(
 
 def test_an_atomic_claim_after_a_commit_sent_as_sql_still_claims(pg_url: str, scope: Scope) -> None:
     """A hook that ended the business connection's transaction with a ``COMMIT`` sent as SQL
-    leaves the server idle and psycopg2 believing a transaction is open. The lookup of a
-    remembered completed record runs on a connection of its own, never that one, and the
-    claim on it answers as it always did (never a driver error escaping as a 500)."""
+    leaves the server idle and psycopg2 believing a transaction is open. The lookup before the
+    claim puts the driver back in step and finds the record in autocommit, and the claim on
+    that connection answers as it always did (never a driver error escaping as a 500)."""
     with store_on(pg_url) as store:
         token = store.claim(scope, FP, ttl=60, lease=30).token
         assert store.complete(scope, token, RESPONSE)
-        assert _atomic_claim(store, scope) is not None  # remembered from here
         connection = store.begin()
         try:
             connection.exec_driver_sql("SELECT 1")
             connection.exec_driver_sql("COMMIT")
-            remembered = store.completed_before_claim(scope)
-            assert remembered is not None and remembered.response == RESPONSE
-            found = store.claim_atomic(connection, scope, FP, ttl=60)
-            assert found is not None and not found.claimed
+            found = store.completed_before_claim(scope, connection)
+            assert found is not None and found.response == RESPONSE
+            assert connection.connection.dbapi_connection.info.transaction_status == 0, "idle"
+            claimed = store.claim_atomic(connection, scope, FP, ttl=60)
+            assert claimed is not None and not claimed.claimed
         finally:
             connection.rollback()
             connection.close()
@@ -250,23 +242,23 @@ def test_an_atomic_claim_after_a_commit_sent_as_sql_still_claims(pg_url: str, sc
 def test_the_lookup_before_the_transaction_gives_up_on_a_locked_table(
     pg_url: str, scope: Scope
 ) -> None:
-    """The lookup of a remembered completed record runs before the claim, which bounds its own
-    wait (4 s) where the session has no timeouts (an application's engine, a pooler): it
-    bounds its own too, so a table locked by DDL answers 503, never a wait without end."""
+    """The lookup of a completed record runs before the claim, which bounds its own wait (4 s)
+    where the session has no timeouts (an application's engine, a pooler): it bounds its own
+    too, so a table locked by DDL answers 503, never a wait without end."""
     store = create_store(sa.create_engine(normalize_url(pg_url)))  # no session timeouts
     try:
         token = store.claim(scope, FP, ttl=60, lease=30).token
         assert store.complete(scope, token, RESPONSE)
-        assert _atomic_claim(store, scope) is not None  # remembered from here
-        with store.engine.connect() as locker:
+        with store.engine.connect() as locker, store.engine.connect() as connection:
             locker.exec_driver_sql("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
             # Released after 10 s whatever happens: an unbounded wait then finds the record.
             release = threading.Timer(10, locker.rollback)
             release.start()
             started = time.monotonic()
             try:
+                connection.begin()
                 with pytest.raises(StoreUnavailable):
-                    store.completed_before_claim(scope)
+                    store.completed_before_claim(scope, connection)
                 assert time.monotonic() - started < 8
             finally:
                 release.cancel()
