@@ -665,8 +665,10 @@ def test_an_atomic_replay_is_one_statement_on_a_worker_that_never_met_the_key(
     counter = Counter()
     key = f"elsewhere-{time.monotonic_ns()}"
     try:
-        created = _orders(first, counter).test_client().post(
-            "/orders", json={"n": 1}, headers={"Idempotency-Key": key}
+        created = (
+            _orders(first, counter)
+            .test_client()
+            .post("/orders", json={"n": 1}, headers={"Idempotency-Key": key})
         )
         assert created.status_code == 201
         client = _orders(other, counter).test_client()
@@ -691,7 +693,9 @@ def test_a_replay_takes_no_second_connection_from_the_pool(pg_url: str) -> None:
     engine = create_engine(pg_url, pool_size=1, max_overflow=0, pool_timeout=1)
     try:
         started = time.monotonic()
-        hooked = _replays(engine, lambda idem: idem.connection().exec_driver_sql("SELECT 1") and None)
+        hooked = _replays(
+            engine, lambda idem: idem.connection().exec_driver_sql("SELECT 1") and None
+        )
         assert hooked == EXPECTED
         assert time.monotonic() - started < 1
     finally:

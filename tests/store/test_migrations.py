@@ -434,11 +434,12 @@ def test_upgrade_from_0007_moves_the_request_path_to_kept_plans(
     fresh_pg_database: t.Callable[[], str],
 ) -> None:
     """Revision 0014, from 0007 with records in it: a record completed under 0007 still
-    replays (durable; atomic in one statement before the transaction and in it), one still in progress is
-    still completed by the claim that holds it, through idempotency_complete(); a new atomic
-    key is completed through idempotency_complete_reserved(); only DEFAULT keeps an index on
-    expires_at, and a partition made after the upgrade has none; the downgrade puts the index
-    back on every partition and removes the functions."""
+    replays (durable; atomic by the lookup before the transaction and by the claim in it), one
+    still in progress is still completed by the claim that holds it, through
+    idempotency_complete(); a new atomic key is completed through
+    idempotency_complete_reserved(); only DEFAULT keeps an index on expires_at, and a partition
+    made after the upgrade has none; the downgrade puts the index back on every partition and
+    removes the functions."""
     url = fresh_pg_database()
     upgrade(url, "0007")
     store = create_store(url)
