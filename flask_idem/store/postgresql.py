@@ -541,7 +541,7 @@ class PostgresStore(SQLStore):
         return ClaimResult(record, claimed=True, reservation=reservation)
 
     def completed_before_claim(self, scope: Scope, connection: sa.Connection) -> Record | None:
-        dbapi_connection = connection.connection.dbapi_connection
+        dbapi_connection: t.Any = connection.connection.dbapi_connection
         with translate_errors():
             commit_count.resynchronise(dbapi_connection)  # a hook's COMMIT sent as SQL
             if dbapi_connection.info.transaction_status != _IDLE:
