@@ -39,9 +39,9 @@ Round trips
     ``mark_unknown`` are each one statement with no ``BEGIN``/``COMMIT`` of their own.
     ``complete`` can instead join the caller's business transaction (no extra commit). Writes
     after the claim pass the record's ``created_at``, so that only its partition is searched.
-    An atomic claim of a key this process has met completed first looks for its record before
-    the business transaction opens (``_FIND_COMPLETED``, :class:`_RecentlyCompleted`): such a
-    replay is that one statement, with no transaction.
+    An atomic claim first looks for a completed record of its scope in autocommit, before the
+    business transaction opens (``_FIND_COMPLETED``): a replay is that one statement, with no
+    transaction, on any worker; a new key pays it as one more statement.
 
 Kept plans
     The completion, the atomic record's insert and the lookup of a completed record are calls
@@ -165,9 +165,9 @@ def _past_ttl_immutable(row: str, clock: str) -> str:
 # The live completed record of a scope, read without the scope's lock (migration 0014: the
 # claim functions' liveness and horizon, at the function's clock, on a kept plan). Read twice
 # by an atomic request:
-# - before its business transaction opens, for a key this process has met completed
-#   (:class:`_RecentlyCompleted`), so that such a replay is this one statement, with no BEGIN
-#   and no ROLLBACK;
+# - before its business transaction opens, so that a replay is this one statement, with no
+#   BEGIN and no ROLLBACK (with psycopg2 no statement can open a transaction only when it finds
+#   nothing: the driver sends BEGIN on its own, so a new key pays this as one more statement);
 # - by a claim that found the scope's lock held (the holder may only be *replaying*).
 # Safe because a completed record is final while it is live (nothing but an operator's reopen
 # changes it, and a claim only inserts when no live record exists): whatever a holder of the
