@@ -107,8 +107,16 @@ class Autocommit:
         self.connection.autocommit = True
 
     def __exit__(self, *_exc: object) -> None:
-        if not self.connection.closed:
+        if self.connection.closed:
+            return
+        try:
             self.connection.autocommit = self.previous
+        except Exception:
+            # psycopg 3 refuses while a statement still runs (an exception raised by a signal
+            # handler interrupted its wait): the connection is fit for neither mode. Closed,
+            # it is a disconnect to SQLAlchemy, and never goes back to the pool.
+            self.connection.close()
+            raise
 
 
 def dbapi_error(

@@ -546,16 +546,26 @@ class PostgresStore(SQLStore):
             commit_count.resynchronise(dbapi_connection)  # a hook's COMMIT sent as SQL
             if dbapi_connection.info.transaction_status != _IDLE:
                 return None  # a hook's transaction: the claim in it answers, as it would have
-            with fast_path.Autocommit(dbapi_connection):
-                if self.keys.rotating:
-                    forms = self.keys.candidates(scope.tenant, scope.key)
-                    found = self._live_among(connection, scope, forms, completed=True)
-                    return None if found is None else found.record
-                digest = self.keys.current_of(scope)
-                if digest is not scope.digest:
-                    scope = dataclasses.replace(scope, digest=digest)
-                parameters = {"tenant": scope.tenant, "endpoint": scope.endpoint, "key": digest}
-                values = self._atomic_row(connection, _FIND_COMPLETED, parameters)
+            try:
+                with fast_path.Autocommit(dbapi_connection):
+                    return self._live_completed(connection, scope)
+            except self.engine.dialect.loaded_dbapi.Error as exc:
+                # The driver refused to leave autocommit (see fast_path.Autocommit).
+                connection.invalidate(exc)
+                raise fast_path.dbapi_error(self.engine, exc, None, None, invalidated=True) from exc
+
+    def _live_completed(self, connection: sa.Connection, scope: Scope) -> Record | None:
+        """:data:`_FIND_COMPLETED` for ``scope`` (while secrets rotate: under every form of its
+        key), on ``connection`` as it is."""
+        if self.keys.rotating:
+            forms = self.keys.candidates(scope.tenant, scope.key)
+            found = self._live_among(connection, scope, forms, completed=True)
+            return None if found is None else found.record
+        digest = self.keys.current_of(scope)
+        if digest is not scope.digest:
+            scope = dataclasses.replace(scope, digest=digest)
+        parameters = {"tenant": scope.tenant, "endpoint": scope.endpoint, "key": digest}
+        values = self._atomic_row(connection, _FIND_COMPLETED, parameters)
         if values is None:
             return None
         return build_record(scope, self.sealer, *values[1:])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import signal
 import threading
 import time
 import typing as t
@@ -18,9 +19,13 @@ import sqlalchemy as sa
 from flask_idem import ClaimResult, Scope, State, StoredResponse, StoreUnavailable, create_store
 from flask_idem.core.sealing import Sealer
 from flask_idem.store import SQLStore, create_engine, normalize_url
-from flask_idem.testing import age_record
+from flask_idem.testing import age_record, empty_store
 from flask_idem.testing.contract import FP, OTHER_FP, RESPONSE, StoreContract
-from tests.support.drivers import db_url_on_each_driver  # noqa: F401 (the store contract on both drivers)
+from tests.support.drivers import (
+    db_url_on_each_driver,  # noqa: F401 (the store contract on both drivers)
+    is_idle,
+    spelled_for,
+)
 from tests.support.helpers import count_statements, store_on
 
 
@@ -265,6 +270,61 @@ def test_the_lookup_before_the_transaction_gives_up_on_a_locked_table(
                 locker.rollback()
     finally:
         store.engine.dispose()
+
+
+@pytest.mark.parametrize("reset", ["rollback", None], ids=["reset", "no-reset"])
+@pytest.mark.parametrize("mode", ["durable", "atomic"])
+def test_a_statement_interrupted_in_autocommit_never_goes_back_to_the_pool(
+    pg_url: str, scope: Scope, mode: str, reset: str | None
+) -> None:
+    """An exception raised by a signal handler (an app's request timeout) while a statement
+    sent in autocommit waits on the server (a table lock held elsewhere): psycopg 3 then
+    refuses to leave autocommit, its statement still running. The durable claim, and the
+    lookup before an atomic claim, answer StoreUnavailable (503, never a driver error as a
+    500), and the connection is discarded: the pool never hands it out again in autocommit or
+    mid-statement, also with no reset on return."""
+
+    class RequestTimeout(Exception):
+        pass
+
+    def timeout(*_: object) -> None:
+        raise RequestTimeout
+
+    url = spelled_for(pg_url, "postgresql+psycopg")
+    engine = sa.create_engine(
+        normalize_url(url), pool_size=1, max_overflow=0, pool_reset_on_return=reset
+    )
+    store = create_store(engine)
+    empty_store(store)
+    previous = signal.signal(signal.SIGALRM, timeout)
+    try:
+        with (
+            psycopg2.connect(sa.make_url(pg_url).render_as_string(hide_password=False)) as locker,
+            locker.cursor() as cursor,
+        ):
+            cursor.execute("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(StoreUnavailable):
+                if mode == "durable":
+                    store.claim(scope, FP, ttl=60, lease=30)
+                else:
+                    with engine.connect() as connection:
+                        connection.begin()
+                        store.completed_before_claim(scope, connection)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            locker.rollback()
+        with engine.connect() as conn:
+            dbapi_connection = conn.connection.dbapi_connection
+            assert not dbapi_connection.autocommit and is_idle(dbapi_connection)
+            assert conn.exec_driver_sql("SELECT 1").scalar_one() == 1
+        # The server may have run the interrupted claim once its lock came free: its record is
+        # then in progress, its outcome unknown to the client (a 503), and its lease ends it.
+        after = Scope(scope.tenant, scope.endpoint, f"{scope.key}-after")
+        assert store.claim(after, FP, ttl=60, lease=30).claimed
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        engine.dispose()
 
 
 def test_missing_schema_raises_store_unavailable(tmp_path: object, scope: Scope) -> None:
